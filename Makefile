@@ -1,0 +1,44 @@
+# kvloop — top-level commands. `make demo` and `make test` work on a fresh
+# machine of this kind: both run scripts/bootstrap.sh first, which installs
+# what is missing and skips what is there.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+NIXL_DIR ?= $(or $(KVLOOP_NIXL_DIR),$(HOME)/.cache/kvloop/nixl-cu12-1.5.1)
+NIXL_LIBS := $(NIXL_DIR)/.nixl_cu12.mesonpy.libs
+# Environment of every process that loads NIXL (shared/RECIPES.md):
+# UCX_MODULES='^ib*' keeps UCX from loading a bundled InfiniBand module that
+# segfaults at exit on machines without IB.
+export KVLOOP_NIXL_DIR := $(NIXL_DIR)
+export NIXL_PLUGIN_DIR := $(NIXL_LIBS)/plugins
+export UCX_MODULES := ^ib*
+export LD_LIBRARY_PATH := $(NIXL_LIBS):$(LD_LIBRARY_PATH)
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: help bootstrap build test demo bench lint fmt
+
+help:
+	@echo "make demo   - run the main job (installs what it needs first)"
+	@echo "make test   - run every test (installs what it needs first)"
+	@echo "make bench  - run the benchmarks (tables on stdout)"
+	@echo "make lint   - cargo fmt --check and clippy -D warnings"
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+build: bootstrap
+	cargo build --release --workspace --bins
+
+test: bootstrap
+	cargo build --workspace --all-targets
+	cargo test --workspace --no-fail-fast -- --test-threads=2
+
+demo: build
+	target/release/kvloop demo
+
+bench: build
+	target/release/kvloop bench read
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings

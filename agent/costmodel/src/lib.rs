@@ -1,0 +1,1 @@
+//! Sans-IO transfer/prefill cost model and adaptive recompute threshold

@@ -1,0 +1,1 @@
+//! Per-node kvloop agent

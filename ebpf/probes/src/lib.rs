@@ -1,0 +1,1 @@
+//! Loader and map readers for kvloop's eBPF probes (user space)

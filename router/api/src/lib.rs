@@ -1,0 +1,1 @@
+//! Wire types of the router's admin API (threshold pushes), shared by router and agent

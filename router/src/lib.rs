@@ -1,0 +1,1 @@
+//! KV-cache-aware P/D router, drop-in for vLLM's multi-turn disaggregated proxy

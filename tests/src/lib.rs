@@ -1,0 +1,1 @@
+//! End-to-end tests that start real kvloop processes

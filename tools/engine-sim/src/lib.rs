@@ -1,0 +1,1 @@
+//! vLLM-protocol engine simulator (P or D role) for tests and the demo
