@@ -1,1 +1,107 @@
-//! Wire types of the router's admin API (threshold pushes), shared by router and agent
+//! Wire types of the router's admin API, shared by `kvloop-router` (server) and
+//! `kvloop-agent` (client).
+//!
+//! `PUT /admin/thresholds` with `Authorization: Bearer <token>` and a JSON body
+//! [`ThresholdUpdate`]. The router answers `204 No Content` on success, `401`
+//! on a missing or wrong token, `400` with a message naming the bad field on
+//! malformed input.
+//!
+//! Deadlines travel as durations (`valid_for_ms`), never as absolute times:
+//! the agent's and the router's clocks are never compared (shared/DESIGN.md,
+//! "Memory and safety rules"). The router computes
+//! `valid_until = time of receipt + valid_for_ms` on its own monotonic clock.
+use serde::{Deserialize, Serialize};
+
+/// Path of the threshold push endpoint.
+pub const THRESHOLDS_PATH: &str = "/admin/thresholds";
+
+/// Header a router adds to every prefill request it sends to P, so that the
+/// prefill probe (kernel, socket level) can attribute the measured latency to
+/// token counts: `X-KVLoop-Tokens: prompt=<N>,reused=<R>`, where `N` is the
+/// prompt length in tokens and `R` the tokens P will READ from D instead of
+/// computing (0 when P recomputes). Omitted when the router does not know `N`.
+pub const TOKENS_HEADER: &str = "x-kvloop-tokens";
+
+/// One push from an agent: the thresholds of the (P, D) pairs whose prefill
+/// engine lives on the agent's node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThresholdUpdate {
+    /// Identity of the pushing agent (its node name).
+    pub agent_id: String,
+    /// Monotonic push sequence of this agent; a router ignores a push whose
+    /// `seq` is lower than the last one it applied from the same `agent_id`
+    /// (a delayed retry never overwrites a newer decision).
+    pub seq: u64,
+    /// The pairs, at most one entry per (prefill, decode) engine pair.
+    pub pairs: Vec<PairThreshold>,
+}
+
+/// The recompute decision inputs for one (prefill engine, decode engine) pair.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairThreshold {
+    /// Engine id of the prefill engine (P, the reader on D→P).
+    pub prefill_engine_id: String,
+    /// Engine id of the decode engine (D, which retains the blocks).
+    pub decode_engine_id: String,
+    /// Minimum reusable tokens for which P should READ D's blocks instead of
+    /// recomputing them. Replaces vLLM's static `kv_recompute_threshold`
+    /// (default 64 tokens) for this pair while valid.
+    pub threshold_tokens: u64,
+    /// How long this entry stays valid after the router receives it, in
+    /// milliseconds. The agent sets it below 3 × its push period; when it
+    /// lapses the router falls back to its static threshold.
+    pub valid_for_ms: u64,
+    /// The fitted cost model behind the threshold, when the agent has one.
+    /// A router may use it to decide per request (pull when the predicted
+    /// transfer time is below the predicted recompute time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<CostModelCoefficients>,
+}
+
+/// Coefficients of the pair's fitted cost model (see `kvloop-costmodel`).
+///
+/// Transfer of `r` reusable tokens:
+/// `t_xfer_ms(r) = xfer_fixed_ms + r * xfer_ms_per_token`.
+/// Recompute of those `r` tokens on P, given `ctx` tokens before them:
+/// `t_recompute_ms(r) = r * (prefill_ms_per_token + prefill_ms_per_token_ctx * ctx)`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostModelCoefficients {
+    /// Fixed cost of one D→P READ (handshake, notification, queueing), ms.
+    pub xfer_fixed_ms: f64,
+    /// Transfer cost per reusable token (bytes per token / bandwidth), ms.
+    pub xfer_ms_per_token: f64,
+    /// Prefill cost per computed token, linear term, ms.
+    pub prefill_ms_per_token: f64,
+    /// Prefill cost per computed token per token of context (attention), ms.
+    pub prefill_ms_per_token_ctx: f64,
+    /// Confidence in `[0, 1]`: low when samples are few or old.
+    pub confidence: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_rejects_unknown_fields() {
+        let u = ThresholdUpdate {
+            agent_id: "node-a".into(),
+            seq: 7,
+            pairs: vec![PairThreshold {
+                prefill_engine_id: "p0".into(),
+                decode_engine_id: "d0".into(),
+                threshold_tokens: 2048,
+                valid_for_ms: 15_000,
+                model: None,
+            }],
+        };
+        let s = serde_json::to_string(&u).unwrap();
+        assert_eq!(serde_json::from_str::<ThresholdUpdate>(&s).unwrap(), u);
+        let bad = s.replace("\"seq\"", "\"sequence\"");
+        let err = serde_json::from_str::<ThresholdUpdate>(&bad).unwrap_err();
+        assert!(err.to_string().contains("sequence"), "{err}");
+    }
+}
