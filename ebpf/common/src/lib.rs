@@ -10,6 +10,9 @@
 /// Longer engine ids are truncated; shorter ones are NUL-padded.
 pub const PEER_LEN: usize = 32;
 
+#[cfg(not(target_arch = "bpf"))]
+pub mod usdt;
+
 /// Direction of a KV-block READ, seen from the reader.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,7 +100,11 @@ impl ReadProbeArgs {
     pub fn peer_from_str(engine_id: &str) -> [u8; PEER_LEN] {
         let mut out = [0u8; PEER_LEN];
         let b = engine_id.as_bytes();
-        let n = if b.len() < PEER_LEN { b.len() } else { PEER_LEN };
+        let n = if b.len() < PEER_LEN {
+            b.len()
+        } else {
+            PEER_LEN
+        };
         let mut i = 0;
         while i < n {
             out[i] = b[i];
