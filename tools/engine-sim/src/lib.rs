@@ -1,1 +1,956 @@
-//! vLLM-protocol engine simulator (P or D role) for tests and the demo
+//! vLLM-protocol engine simulator (P or D role) for tests and the demo.
+//!
+//! `kvloop-engine-sim` follows the engine-side rules of `shared/PROTOCOL.md`
+//! closely enough to test the router end to end:
+//!
+//! - **Prefill role (P)**: answers `/v1/completions` and `/v1/chat/completions`
+//!   with one token and a top-level `kv_transfer_params`
+//!   (`do_remote_prefill: true`), holding its blocks under a lease
+//!   ([`SimConfig::lease_ms`]). When the request carries D's params
+//!   (`do_remote_decode: true` with block ids) it READs
+//!   `min(remote_num_tokens, prompt_tokens)` tokens through its [`KvTransfer`]
+//!   and computes only the rest; invalid, expired or already-read params mean a
+//!   local recompute with a warning, never a crash.
+//! - **Decode role (D)**: READs P's blocks (or recomputes when that fails),
+//!   streams `max_tokens` tokens, and on a normal finish holds its blocks for
+//!   [`SimConfig::decoder_kv_blocks_ttl_ms`] and returns its own params with
+//!   `remote_blocks_expiry_time` (seconds on D's process clock).
+//! - Both roles serve `/tokenize` (vLLM's shape) with a deterministic
+//!   whitespace tokenizer and a fixed chat template, so P and D agree.
+//!
+//! Prefill latency is `prefill_us_per_token × computed tokens`, spent as a real
+//! sleep. The KV side is pluggable through [`KvTransfer`]; [`SimulatedTransfer`]
+//! checks the remote lease over the emitter's side channel (HTTP on the
+//! side-channel address) and sleeps `transfer_us_per_token × tokens`.
+//!
+//! Test knobs travel in the request body as an object `"sim"` (the router
+//! passes unknown fields through): `fail_prefill`, `fail_prefill_with_params`,
+//! `fail_decode` (bools → HTTP 500), `reasoning`, `tool_call` (bools → extra
+//! output deltas), `truncate_stream` (bool → the stream ends before the finish
+//! chunk), `finish_reason` (string override).
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tracing::{debug, warn};
+
+/// Role of a simulated engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefill engine (P): computes the prompt, returns one token and its params.
+    Prefill,
+    /// Decode engine (D): generates the answer and keeps its blocks for the next turn.
+    Decode,
+}
+
+/// Configuration of one simulated engine. Every field has a default suited to
+/// tests; numbers are simulation knobs, not measurements.
+#[derive(Clone, Debug, clap::Args)]
+pub struct SimConfig {
+    /// Role of this engine.
+    #[arg(long, value_enum, default_value = "prefill")]
+    pub role: Role,
+    /// Engine id (`remote_engine_id` in the params it emits).
+    #[arg(long, default_value = "sim-0")]
+    pub engine_id: String,
+    /// Model name served (`/v1/models`).
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// OpenAI-compatible HTTP listen address (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub http_addr: SocketAddr,
+    /// Side-channel listen address (lease checks and READ notifications).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub side_channel_addr: SocketAddr,
+    /// Host written into `remote_host` (default: the side-channel IP, bracketed if IPv6).
+    #[arg(long)]
+    pub advertised_host: Option<String>,
+    /// Prefill cost per computed token, microseconds (real sleep).
+    #[arg(long, default_value_t = 20)]
+    pub prefill_us_per_token: u64,
+    /// Simulated READ cost per transferred token, microseconds (real sleep).
+    #[arg(long, default_value_t = 2)]
+    pub transfer_us_per_token: u64,
+    /// Delay between streamed output tokens, microseconds.
+    #[arg(long, default_value_t = 0)]
+    pub decode_us_per_token: u64,
+    /// How long D keeps a finished request's blocks, ms (vLLM default 480 s).
+    #[arg(long, default_value_t = 480_000)]
+    pub decoder_kv_blocks_ttl_ms: u64,
+    /// How long P holds its blocks after a prefill waiting for D's READ, ms (vLLM: 30 s).
+    #[arg(long, default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// An emitter declines a READ of blocks expiring within this margin, ms (vLLM: 5 s).
+    #[arg(long, default_value_t = 5_000)]
+    pub expiry_margin_ms: u64,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size_tokens: u32,
+    /// Blocks in the simulated KV cache.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub num_blocks: u32,
+    /// Tensor-parallel size reported in the params.
+    #[arg(long, default_value_t = 1)]
+    pub tp_size: u32,
+    /// Output tokens when the request has no `max_tokens`.
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: u64,
+    /// P-side recompute threshold (tokens): below it P recomputes even with params.
+    /// 0 leaves the decision to the router.
+    #[arg(long, default_value_t = 0)]
+    pub kv_recompute_threshold_tokens: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            role: Role::Prefill,
+            engine_id: "sim-0".into(),
+            model: "sim-model".into(),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            side_channel_addr: "127.0.0.1:0".parse().unwrap(),
+            advertised_host: None,
+            prefill_us_per_token: 20,
+            transfer_us_per_token: 2,
+            decode_us_per_token: 0,
+            decoder_kv_blocks_ttl_ms: 480_000,
+            lease_ms: 30_000,
+            expiry_margin_ms: 5_000,
+            block_size_tokens: 16,
+            num_blocks: 1 << 20,
+            tp_size: 1,
+            default_max_tokens: 16,
+            kv_recompute_threshold_tokens: 0,
+        }
+    }
+}
+
+/// Token id of one whitespace-separated word: FNV-1a 64 of its bytes mod 100 000.
+pub fn token_id(word: &str) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in word.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % 100_000) as u32
+}
+
+/// Deterministic tokenizer: one token per whitespace-separated word.
+pub fn tokenize_text(text: &str) -> Vec<u32> {
+    text.split_whitespace().map(token_id).collect()
+}
+
+/// The fixed chat template: `<|role|> content ` per message, then `<|assistant|>`.
+/// Content may be a string or an array of `{"type":"text","text":...}` parts.
+pub fn render_chat(messages: &[Value]) -> String {
+    let mut s = String::new();
+    for m in messages {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|> ");
+        match m.get("content") {
+            Some(Value::String(c)) => s.push_str(c),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(Value::as_str) {
+                        s.push_str(t);
+                        s.push(' ');
+                    }
+                }
+            }
+            _ => {}
+        }
+        s.push(' ');
+    }
+    s.push_str("<|assistant|>");
+    s
+}
+
+/// Tokens of a request body: `prompt` (string or array of token ids) or `messages`.
+///
+/// # Errors
+/// A message naming the missing or malformed field.
+pub fn tokenize_body(body: &Value) -> Result<Vec<u32>, String> {
+    if let Some(p) = body.get("prompt") {
+        return match p {
+            Value::String(s) => Ok(tokenize_text(s)),
+            Value::Array(a) => a
+                .iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|v| u32::try_from(v).ok())
+                        .ok_or_else(|| "prompt: expected a string or an array of token ids".to_string())
+                })
+                .collect(),
+            _ => Err("prompt: expected a string or an array of token ids".into()),
+        };
+    }
+    if let Some(m) = body.get("messages") {
+        let Some(a) = m.as_array() else {
+            return Err("messages: expected an array".into());
+        };
+        return Ok(tokenize_text(&render_chat(a)));
+    }
+    Err("prompt or messages: required".into())
+}
+
+/// Free-list block allocator over `0..num_blocks`.
+#[derive(Debug)]
+pub struct BlockAllocator {
+    free: Vec<u32>,
+}
+
+impl BlockAllocator {
+    /// All blocks free; low ids are handed out first.
+    pub fn new(num_blocks: u32) -> Self {
+        Self { free: (0..num_blocks).rev().collect() }
+    }
+    /// Allocate `n` blocks, or `None` when fewer are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
+        if self.free.len() < n {
+            return None;
+        }
+        let at = self.free.len() - n;
+        let mut v = self.free.split_off(at);
+        v.reverse();
+        Some(v)
+    }
+    /// Return blocks to the free list.
+    pub fn release(&mut self, ids: &[u32]) {
+        self.free.extend(ids.iter().rev());
+    }
+    /// Free blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+}
+
+/// Blocks held for a finished request until read or expired.
+#[derive(Debug, Clone)]
+struct Hold {
+    block_ids: Vec<u32>,
+    num_tokens: u64,
+    expires_at: Instant,
+}
+
+/// One READ a reader asks its [`KvTransfer`] to perform.
+#[derive(Debug, Clone)]
+pub struct ReadRequest {
+    /// The reader's engine id.
+    pub reader_engine_id: String,
+    /// Emitter's engine id.
+    pub remote_engine_id: String,
+    /// Emitter's side-channel host (possibly a bracketed IPv6 literal).
+    pub remote_host: String,
+    /// Emitter's side-channel port.
+    pub remote_port: u16,
+    /// Emitter's request id (owner of the blocks).
+    pub remote_request_id: String,
+    /// Emitter's block ids, flattened over KV-cache groups.
+    pub remote_block_ids: Vec<u32>,
+    /// Tokens to read.
+    pub num_tokens: u64,
+}
+
+/// Why a READ was not done (the reader then recomputes).
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The emitter no longer holds the blocks (read already, expired, unknown).
+    #[error("emitter declined the READ: {0}")]
+    Declined(String),
+    /// Side channel unreachable or broken.
+    #[error("side channel: {0}")]
+    SideChannel(String),
+}
+
+/// Boxed future returned by [`KvTransfer::read`].
+pub type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<u64, TransferError>> + Send + 'a>>;
+
+/// The KV side of an engine: performs one READ of a remote engine's blocks and
+/// notifies the owner. Returns the tokens read. A managed-mode implementation
+/// asks the node agent to do the READ.
+pub trait KvTransfer: Send + Sync + 'static {
+    /// Read `req.num_tokens` tokens of KV from the emitter and notify it.
+    fn read(&self, req: ReadRequest) -> ReadFuture<'_>;
+}
+
+/// Simulated transfer: checks the emitter's lease over its side channel (which
+/// also acts as the read notification, freeing the blocks), then sleeps
+/// `transfer_us_per_token × tokens`.
+pub struct SimulatedTransfer {
+    http: reqwest::Client,
+    transfer_us_per_token: u64,
+}
+
+impl SimulatedTransfer {
+    /// A transfer with the given per-token cost (microseconds).
+    pub fn new(transfer_us_per_token: u64) -> Self {
+        Self { http: reqwest::Client::new(), transfer_us_per_token }
+    }
+}
+
+/// `host:port` with IPv6 literals bracketed (idempotent for bracketed input).
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+impl KvTransfer for SimulatedTransfer {
+    fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
+        Box::pin(async move {
+            let url = format!("http://{}/kv/read", host_port(&req.remote_host, req.remote_port));
+            let body = json!({
+                "remote_request_id": req.remote_request_id,
+                "remote_engine_id": req.remote_engine_id,
+                "block_ids": req.remote_block_ids,
+                "num_tokens": req.num_tokens,
+                "reader_engine_id": req.reader_engine_id,
+            });
+            let resp = self
+                .http
+                .post(&url)
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| TransferError::SideChannel(format!("{url}: {e}")))?;
+            if !resp.status().is_success() {
+                let status = resp.status();
+                let text = resp.text().await.unwrap_or_default();
+                return Err(TransferError::Declined(format!("{status}: {text}")));
+            }
+            tokio::time::sleep(Duration::from_micros(self.transfer_us_per_token * req.num_tokens)).await;
+            Ok(req.num_tokens)
+        })
+    }
+}
+
+/// Counters exposed at `GET /sim/stats`.
+#[derive(Debug, Default)]
+struct Stats {
+    requests: AtomicU64,
+    reads_ok: AtomicU64,
+    reads_declined: AtomicU64,
+    invalid_params: AtomicU64,
+    reused_tokens: AtomicU64,
+    computed_tokens: AtomicU64,
+    side_reads_served: AtomicU64,
+    side_reads_refused: AtomicU64,
+}
+
+/// Snapshot of the engine's counters (`GET /sim/stats`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StatsSnapshot {
+    /// Generation requests received.
+    pub requests: u64,
+    /// READs this engine performed successfully.
+    pub reads_ok: u64,
+    /// READs this engine attempted that were declined (then recomputed).
+    pub reads_declined: u64,
+    /// Requests whose params were invalid (then recomputed).
+    pub invalid_params: u64,
+    /// Prompt tokens read from a remote engine instead of computed.
+    pub reused_tokens: u64,
+    /// Prompt tokens computed locally.
+    pub computed_tokens: u64,
+    /// READs of this engine's blocks served on the side channel.
+    pub side_reads_served: u64,
+    /// READs of this engine's blocks refused (unknown, expired, expiring).
+    pub side_reads_refused: u64,
+    /// Requests currently holding blocks.
+    pub holds: u64,
+    /// Last `X-KVLoop-Tokens` header seen, if any.
+    pub last_tokens_header: Option<String>,
+}
+
+/// Shared state of one engine.
+pub struct Engine {
+    cfg: SimConfig,
+    advertised_host: String,
+    side_port: u16,
+    start: Instant,
+    alloc: Mutex<BlockAllocator>,
+    holds: Mutex<HashMap<String, Hold>>,
+    transfer: Arc<dyn KvTransfer>,
+    stats: Stats,
+    last_tokens_header: Mutex<Option<String>>,
+    next_request: AtomicU64,
+}
+
+/// A running engine: its addresses and a handle to stop it.
+pub struct SimHandle {
+    /// OpenAI-compatible HTTP address.
+    pub http_addr: SocketAddr,
+    /// Side-channel address.
+    pub side_channel_addr: SocketAddr,
+    /// The engine state.
+    pub engine: Arc<Engine>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl SimHandle {
+    /// Base URL, e.g. `http://127.0.0.1:8100`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.http_addr)
+    }
+    /// Stop serving (in-flight requests are dropped).
+    pub fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Start an engine with the [`SimulatedTransfer`] on the current tokio runtime.
+///
+/// # Errors
+/// When a listen address cannot be bound.
+pub async fn spawn(cfg: SimConfig) -> std::io::Result<SimHandle> {
+    let t = Arc::new(SimulatedTransfer::new(cfg.transfer_us_per_token));
+    spawn_with_transfer(cfg, t).await
+}
+
+/// Start an engine with a custom [`KvTransfer`].
+///
+/// # Errors
+/// When a listen address cannot be bound.
+pub async fn spawn_with_transfer(cfg: SimConfig, transfer: Arc<dyn KvTransfer>) -> std::io::Result<SimHandle> {
+    let http = TcpListener::bind(cfg.http_addr).await?;
+    let side = TcpListener::bind(cfg.side_channel_addr).await?;
+    let http_addr = http.local_addr()?;
+    let side_channel_addr = side.local_addr()?;
+    let advertised_host = cfg.advertised_host.clone().unwrap_or_else(|| match side_channel_addr.ip() {
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+    });
+    let engine = Arc::new(Engine {
+        alloc: Mutex::new(BlockAllocator::new(cfg.num_blocks)),
+        advertised_host,
+        side_port: side_channel_addr.port(),
+        start: Instant::now(),
+        holds: Mutex::new(HashMap::new()),
+        transfer,
+        stats: Stats::default(),
+        last_tokens_header: Mutex::new(None),
+        next_request: AtomicU64::new(0),
+        cfg,
+    });
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/sim/stats", get(stats))
+        .with_state(engine.clone());
+    let side_app = Router::new().route("/kv/read", post(side_read)).with_state(engine.clone());
+    let (side_tx, side_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(http, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+                let _ = side_tx.send(());
+            })
+            .await;
+    });
+    tokio::spawn(async move {
+        let _ = axum::serve(side, side_app)
+            .with_graceful_shutdown(async move {
+                let _ = side_rx.await;
+            })
+            .await;
+    });
+    let sweeper = Arc::downgrade(&engine);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let Some(e) = sweeper.upgrade() else { break };
+            e.sweep(Instant::now());
+        }
+    });
+    Ok(SimHandle { http_addr, side_channel_addr, engine, shutdown: Some(tx) })
+}
+
+impl Engine {
+    /// Counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        let s = &self.stats;
+        StatsSnapshot {
+            requests: s.requests.load(Ordering::Relaxed),
+            reads_ok: s.reads_ok.load(Ordering::Relaxed),
+            reads_declined: s.reads_declined.load(Ordering::Relaxed),
+            invalid_params: s.invalid_params.load(Ordering::Relaxed),
+            reused_tokens: s.reused_tokens.load(Ordering::Relaxed),
+            computed_tokens: s.computed_tokens.load(Ordering::Relaxed),
+            side_reads_served: s.side_reads_served.load(Ordering::Relaxed),
+            side_reads_refused: s.side_reads_refused.load(Ordering::Relaxed),
+            holds: self.holds.lock().unwrap().len() as u64,
+            last_tokens_header: self.last_tokens_header.lock().unwrap().clone(),
+        }
+    }
+
+    /// Free every hold whose deadline has passed.
+    fn sweep(&self, now: Instant) {
+        let mut holds = self.holds.lock().unwrap();
+        let expired: Vec<String> = holds.iter().filter(|(_, h)| h.expires_at <= now).map(|(k, _)| k.clone()).collect();
+        let mut alloc = self.alloc.lock().unwrap();
+        for k in expired {
+            if let Some(h) = holds.remove(&k) {
+                alloc.release(&h.block_ids);
+            }
+        }
+    }
+
+    /// Allocate and hold blocks for `num_tokens` tokens for `ttl`; returns the block ids.
+    fn hold(&self, request_id: &str, num_tokens: u64, ttl: Duration) -> Vec<u32> {
+        let n_blocks = num_tokens.div_ceil(u64::from(self.cfg.block_size_tokens)).max(1) as usize;
+        let ids = {
+            let mut alloc = self.alloc.lock().unwrap();
+            match alloc.allocate(n_blocks) {
+                Some(ids) => ids,
+                None => {
+                    drop(alloc);
+                    self.sweep(Instant::now());
+                    self.alloc.lock().unwrap().allocate(n_blocks).unwrap_or_default()
+                }
+            }
+        };
+        self.holds.lock().unwrap().insert(
+            request_id.to_string(),
+            Hold { block_ids: ids.clone(), num_tokens, expires_at: Instant::now() + ttl },
+        );
+        ids
+    }
+
+    fn params(&self, request_id: &str, block_ids: Vec<u32>, num_tokens: u64) -> Value {
+        let decode = self.cfg.role == Role::Decode;
+        let mut p = json!({
+            "do_remote_decode": decode,
+            "do_remote_prefill": !decode,
+            "remote_block_ids": [block_ids],
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.advertised_host,
+            "remote_port": self.side_port,
+            "tp_size": self.cfg.tp_size,
+            "remote_num_tokens": num_tokens,
+        });
+        if decode {
+            let expiry = (self.start.elapsed() + Duration::from_millis(self.cfg.decoder_kv_blocks_ttl_ms)).as_secs_f64();
+            p["remote_blocks_expiry_time"] = json!(expiry);
+        }
+        p
+    }
+
+    /// Try to READ the KV the params describe; returns the tokens reused (0 on any failure).
+    async fn pull(&self, params: Option<&Value>, prompt_tokens: u64, expect_from_decode: bool) -> u64 {
+        let Some(p) = params else { return 0 };
+        let flag = if expect_from_decode { "do_remote_decode" } else { "do_remote_prefill" };
+        if p.get(flag).and_then(Value::as_bool) != Some(true) {
+            return 0;
+        }
+        if p.get("remote_block_ids").is_none_or(Value::is_null) {
+            return 0; // the "no reuse" shape
+        }
+        let req = match self.read_request(p, prompt_tokens, expect_from_decode) {
+            Ok(r) => r,
+            Err(field) => {
+                warn!(engine = %self.cfg.engine_id, %field, "invalid kv_transfer_params; recomputing locally");
+                self.stats.invalid_params.fetch_add(1, Ordering::Relaxed);
+                return 0;
+            }
+        };
+        if req.num_tokens == 0 || req.num_tokens < self.cfg.kv_recompute_threshold_tokens {
+            return 0;
+        }
+        match self.transfer.read(req).await {
+            Ok(n) => {
+                self.stats.reads_ok.fetch_add(1, Ordering::Relaxed);
+                n
+            }
+            Err(e) => {
+                warn!(engine = %self.cfg.engine_id, error = %e, "READ declined; recomputing locally");
+                self.stats.reads_declined.fetch_add(1, Ordering::Relaxed);
+                0
+            }
+        }
+    }
+
+    fn read_request(&self, p: &Value, prompt_tokens: u64, from_decode: bool) -> Result<ReadRequest, &'static str> {
+        let blocks: Vec<u32> = match p.get("remote_block_ids") {
+            Some(Value::Array(a)) => {
+                let mut out = Vec::new();
+                for x in a {
+                    match x {
+                        Value::Array(g) => {
+                            for b in g {
+                                out.push(b.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or("remote_block_ids")?);
+                            }
+                        }
+                        other => out.push(other.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or("remote_block_ids")?),
+                    }
+                }
+                out
+            }
+            _ => return Err("remote_block_ids"),
+        };
+        if blocks.is_empty() {
+            return Err("remote_block_ids");
+        }
+        let engine = p.get("remote_engine_id").and_then(Value::as_str).ok_or("remote_engine_id")?;
+        let host = p.get("remote_host").and_then(Value::as_str).filter(|h| !h.is_empty()).ok_or("remote_host")?;
+        let port = p.get("remote_port").and_then(Value::as_u64).and_then(|v| u16::try_from(v).ok()).ok_or("remote_port")?;
+        let rid = p.get("remote_request_id").and_then(Value::as_str).ok_or("remote_request_id")?;
+        let held = p.get("remote_num_tokens").and_then(Value::as_u64);
+        let num_tokens = if from_decode {
+            // D→P: count = min(remote_num_tokens, prompt_tokens); nothing cached locally.
+            held.ok_or("remote_num_tokens")?.min(prompt_tokens)
+        } else {
+            held.unwrap_or(prompt_tokens).min(prompt_tokens)
+        };
+        Ok(ReadRequest {
+            reader_engine_id: self.cfg.engine_id.clone(),
+            remote_engine_id: engine.into(),
+            remote_host: host.into(),
+            remote_port: port,
+            remote_request_id: rid.into(),
+            remote_block_ids: blocks,
+            num_tokens,
+        })
+    }
+
+    fn new_request_id(&self) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        format!("{}-req-{n}", self.cfg.engine_id)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+async fn completions(State(e): State<Arc<Engine>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    generate(e, Api::Completions, headers, body).await
+}
+
+async fn chat_completions(State(e): State<Arc<Engine>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    generate(e, Api::Chat, headers, body).await
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    let msg = msg.into();
+    (status, Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": status.as_u16()}})))
+        .into_response()
+}
+
+fn knob(body: &Value, name: &str) -> bool {
+    body.get("sim").and_then(|s| s.get(name)).and_then(Value::as_bool).unwrap_or(false)
+}
+
+async fn generate(e: Arc<Engine>, api: Api, headers: HeaderMap, raw: axum::body::Bytes) -> Response {
+    e.stats.requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(h) = headers.get("x-kvloop-tokens").and_then(|v| v.to_str().ok()) {
+        *e.last_tokens_header.lock().unwrap() = Some(h.to_string());
+    }
+    let body: Value = match serde_json::from_slice(&raw) {
+        Ok(v) => v,
+        Err(err) => return error(StatusCode::BAD_REQUEST, format!("body: invalid JSON: {err}")),
+    };
+    let tokens = match tokenize_body(&body) {
+        Ok(t) => t,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
+    let n_prompt = tokens.len() as u64;
+    let params = body.get("kv_transfer_params").filter(|v| !v.is_null());
+    let request_id = e.new_request_id();
+    let created = 1_700_000_000u64;
+    match e.cfg.role {
+        Role::Prefill => {
+            let has_blocks = params.and_then(|p| p.get("remote_block_ids")).is_some_and(|b| !b.is_null());
+            if knob(&body, "fail_prefill") || (has_blocks && knob(&body, "fail_prefill_with_params")) {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated prefill failure");
+            }
+            let reused = e.pull(params, n_prompt, true).await;
+            let computed = n_prompt - reused;
+            e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+            e.stats.computed_tokens.fetch_add(computed, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_micros(e.cfg.prefill_us_per_token * computed)).await;
+            let ids = e.hold(&request_id, n_prompt, Duration::from_millis(e.cfg.lease_ms));
+            let kv = e.params(&request_id, ids, n_prompt);
+            let choice = match api {
+                Api::Completions => json!({"index": 0, "text": " tok0", "logprobs": null, "finish_reason": "length"}),
+                Api::Chat => json!({"index": 0, "message": {"role": "assistant", "content": "tok0"}, "finish_reason": "length"}),
+            };
+            let object = if api == Api::Chat { "chat.completion" } else { "text_completion" };
+            let resp = json!({
+                "id": request_id, "object": object, "created": created, "model": e.cfg.model,
+                "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": 1, "total_tokens": n_prompt + 1},
+                "kv_transfer_params": kv,
+                "kvloop_sim": {"reused_tokens": reused, "computed_tokens": computed},
+            });
+            Json(resp).into_response()
+        }
+        Role::Decode => {
+            if knob(&body, "fail_decode") {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated decode failure");
+            }
+            let reused = e.pull(params, n_prompt, false).await;
+            let computed = n_prompt - reused;
+            e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+            e.stats.computed_tokens.fetch_add(computed, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_micros(e.cfg.prefill_us_per_token * computed)).await;
+            let max_tokens = body
+                .get("max_tokens")
+                .or_else(|| body.get("max_completion_tokens"))
+                .and_then(Value::as_u64)
+                .unwrap_or(e.cfg.default_max_tokens)
+                .max(1);
+            let finish = body
+                .get("sim")
+                .and_then(|s| s.get("finish_reason"))
+                .and_then(Value::as_str)
+                .unwrap_or("length")
+                .to_string();
+            let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+            if stream {
+                decode_stream(e, api, body, request_id, n_prompt, max_tokens, finish)
+            } else {
+                decode_full(e, api, &body, request_id, n_prompt, max_tokens, finish).await
+            }
+        }
+    }
+}
+
+fn words(max_tokens: u64) -> Vec<String> {
+    (0..max_tokens).map(|i| format!("tok{i}")).collect()
+}
+
+async fn decode_full(
+    e: Arc<Engine>,
+    api: Api,
+    body: &Value,
+    request_id: String,
+    n_prompt: u64,
+    max_tokens: u64,
+    finish: String,
+) -> Response {
+    tokio::time::sleep(Duration::from_micros(e.cfg.decode_us_per_token * max_tokens)).await;
+    let text = words(max_tokens).join(" ");
+    let normal = finish == "stop" || finish == "length";
+    let kv = if normal {
+        let held = n_prompt + max_tokens - 1;
+        let ids = e.hold(&request_id, held, Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms));
+        e.params(&request_id, ids, held)
+    } else {
+        Value::Null
+    };
+    let choice = match api {
+        Api::Completions => json!({"index": 0, "text": format!(" {text}"), "logprobs": null, "finish_reason": finish}),
+        Api::Chat => {
+            let mut msg = json!({"role": "assistant", "content": text});
+            if knob(body, "reasoning") {
+                msg["reasoning_content"] = json!("thinking");
+            }
+            if knob(body, "tool_call") {
+                msg["tool_calls"] = json!([{"id": "call0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+            }
+            json!({"index": 0, "message": msg, "finish_reason": finish})
+        }
+    };
+    let object = if api == Api::Chat { "chat.completion" } else { "text_completion" };
+    Json(json!({
+        "id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens, "total_tokens": n_prompt + max_tokens},
+        "kv_transfer_params": kv,
+    }))
+    .into_response()
+}
+
+fn decode_stream(
+    e: Arc<Engine>,
+    api: Api,
+    body: Value,
+    request_id: String,
+    n_prompt: u64,
+    max_tokens: u64,
+    finish: String,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, Infallible>>(16);
+    tokio::spawn(async move {
+        let object = if api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk = |choice: Value| {
+            let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [choice]});
+            bytes::Bytes::from(format!("data: {v}\n\n"))
+        };
+        let delta = |d: Value| match api {
+            Api::Chat => json!({"index": 0, "delta": d, "finish_reason": null}),
+            Api::Completions => json!({"index": 0, "text": d.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": null}),
+        };
+        if api == Api::Chat {
+            if tx.send(Ok(chunk(delta(json!({"role": "assistant", "content": ""}))))).await.is_err() {
+                return;
+            }
+            if knob(&body, "reasoning") && tx.send(Ok(chunk(delta(json!({"reasoning_content": "thinking"}))))).await.is_err() {
+                return;
+            }
+            if knob(&body, "tool_call") {
+                let tc = json!({"tool_calls": [{"index": 0, "id": "call0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+                if tx.send(Ok(chunk(delta(tc)))).await.is_err() {
+                    return;
+                }
+            }
+        }
+        for (i, w) in words(max_tokens).into_iter().enumerate() {
+            if e.cfg.decode_us_per_token > 0 {
+                tokio::time::sleep(Duration::from_micros(e.cfg.decode_us_per_token)).await;
+            }
+            let piece = if i == 0 && api == Api::Chat { w } else { format!(" {w}") };
+            if tx.send(Ok(chunk(delta(json!({"content": piece}))))).await.is_err() {
+                return;
+            }
+        }
+        if knob(&body, "truncate_stream") {
+            debug!("simulated truncated stream");
+            return;
+        }
+        let fin = match api {
+            Api::Chat => json!({"index": 0, "delta": {}, "finish_reason": finish}),
+            Api::Completions => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
+        };
+        if tx.send(Ok(chunk(fin))).await.is_err() {
+            return;
+        }
+        if finish == "stop" || finish == "length" {
+            let held = n_prompt + max_tokens - 1;
+            let ids = e.hold(&request_id, held, Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms));
+            let kv = e.params(&request_id, ids, held);
+            let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
+            if tx.send(Ok(bytes::Bytes::from(format!("data: {v}\n\n")))).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(bytes::Bytes::from_static(b"data: [DONE]\n\n"))).await;
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
+async fn models(State(e): State<Arc<Engine>>) -> Response {
+    Json(json!({"object": "list", "data": [{"id": e.cfg.model, "object": "model", "owned_by": "kvloop-engine-sim"}]}))
+        .into_response()
+}
+
+async fn tokenize(body: axum::body::Bytes) -> Response {
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(err) => return error(StatusCode::BAD_REQUEST, format!("body: invalid JSON: {err}")),
+    };
+    match tokenize_body(&body) {
+        Ok(t) => Json(json!({"count": t.len(), "max_model_len": 131072, "tokens": t})).into_response(),
+        Err(msg) => error(StatusCode::BAD_REQUEST, msg),
+    }
+}
+
+async fn stats(State(e): State<Arc<Engine>>) -> Response {
+    Json(e.stats()).into_response()
+}
+
+#[derive(Deserialize)]
+struct SideRead {
+    remote_request_id: String,
+    block_ids: Vec<u32>,
+    num_tokens: u64,
+}
+
+/// Side channel: a reader's READ of this engine's held blocks. Serves it when
+/// the hold exists, covers the blocks and tokens, and does not expire within
+/// the safety margin; the READ doubles as the owner notification (the hold is
+/// freed), so params are single use.
+async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRead>) -> Response {
+    let now = Instant::now();
+    let mut holds = e.holds.lock().unwrap();
+    let refuse = |msg: String| {
+        e.stats.side_reads_refused.fetch_add(1, Ordering::Relaxed);
+        (StatusCode::GONE, msg).into_response()
+    };
+    let Some(h) = holds.get(&r.remote_request_id) else {
+        return refuse(format!("request {}: no blocks held (read already, expired or unknown)", r.remote_request_id));
+    };
+    if h.expires_at <= now + Duration::from_millis(e.cfg.expiry_margin_ms) {
+        return refuse(format!("request {}: blocks expire within the safety margin", r.remote_request_id));
+    }
+    if r.block_ids != h.block_ids || r.num_tokens > h.num_tokens {
+        return refuse(format!("request {}: block ids or token count do not match the hold", r.remote_request_id));
+    }
+    let h = holds.remove(&r.remote_request_id).expect("checked above");
+    drop(holds);
+    e.alloc.lock().unwrap().release(&h.block_ids);
+    e.stats.side_reads_served.fetch_add(1, Ordering::Relaxed);
+    StatusCode::OK.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_deterministic_and_chat_extends() {
+        assert_eq!(tokenize_text("a b  c"), tokenize_text("a b c"));
+        let m1 = vec![json!({"role": "user", "content": "hello there"})];
+        let mut m2 = m1.clone();
+        m2.push(json!({"role": "assistant", "content": "tok0 tok1"}));
+        m2.push(json!({"role": "user", "content": "more"}));
+        let t1 = tokenize_text(&render_chat(&m1));
+        let t2 = tokenize_text(&render_chat(&m2));
+        assert_eq!(&t2[..t1.len()], &t1[..]);
+    }
+
+    #[test]
+    fn allocator_hands_out_and_takes_back() {
+        let mut a = BlockAllocator::new(4);
+        assert_eq!(a.allocate(3), Some(vec![0, 1, 2]));
+        assert_eq!(a.allocate(2), None);
+        a.release(&[0, 1, 2]);
+        assert_eq!(a.free_blocks(), 4);
+    }
+
+    #[test]
+    fn ipv6_hosts_are_bracketed_once() {
+        assert_eq!(host_port("::1", 5), "[::1]:5");
+        assert_eq!(host_port("[::1]", 5), "[::1]:5");
+        assert_eq!(host_port("10.0.0.1", 5), "10.0.0.1:5");
+    }
+}
