@@ -1,0 +1,314 @@
+//! Sample types and the per-model sample window with its fit.
+
+use crate::config::CostModelConfig;
+use crate::fit::{self, Fit, FitParams, K, Row};
+use crate::time::{Instant, ms};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// Where a sample's timing came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SampleSource {
+    /// Timed in the kernel by the eBPF probes (issue "eBPF probes").
+    Ebpf,
+    /// Timed in user space by the agent (fallback where eBPF cannot load).
+    Userspace,
+    /// One of the agent's own active-probe READs.
+    ActiveProbe,
+}
+
+impl SampleSource {
+    /// All sources, in display order.
+    pub const ALL: [SampleSource; 3] = [SampleSource::Ebpf, SampleSource::Userspace, SampleSource::ActiveProbe];
+}
+
+/// Direction of a transfer relative to this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// Data flows from the peer to this node: this node READs the peer's
+    /// blocks (D→P when this node is the prefill node).
+    Inbound,
+    /// Data flows from this node to the peer: the peer READs this node's blocks.
+    Outbound,
+}
+
+/// One timed READ between this node and a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransferSample {
+    /// When the READ completed (injected clock).
+    pub at: Instant,
+    /// Bytes moved (> 0).
+    pub bytes: u64,
+    /// Descriptors in the READ request (≥ 1).
+    pub descriptors: u64,
+    /// Wall time from request to completion (> 0).
+    pub latency: Duration,
+    /// Where the timing came from.
+    pub source: SampleSource,
+}
+
+/// One timed prefill on a local prefill engine.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrefillSample {
+    /// When the prefill finished (injected clock).
+    pub at: Instant,
+    /// Prompt length, tokens (> `reused_tokens`).
+    pub prompt_tokens: u64,
+    /// Tokens whose KV was READ instead of computed (the context of the
+    /// computed ones). Computed tokens = `prompt_tokens - reused_tokens`.
+    pub reused_tokens: u64,
+    /// Prefill time (request received to first token sent), > 0.
+    pub latency: Duration,
+    /// Where the timing came from.
+    pub source: SampleSource,
+}
+
+/// A sample rejected by validation; names the bad field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SampleError {
+    /// A field is outside its allowed range.
+    #[error("{kind} sample: `{field}` = {value} is invalid: expected {expected}")]
+    Invalid {
+        /// "transfer", "prefill" or "pair".
+        kind: &'static str,
+        /// Field name.
+        field: &'static str,
+        /// Value found, formatted.
+        value: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+}
+
+pub(crate) fn invalid(kind: &'static str, field: &'static str, value: impl ToString, expected: &'static str) -> SampleError {
+    SampleError::Invalid { kind, field, value: value.to_string(), expected }
+}
+
+/// What the fitting machinery needs from a sample.
+pub(crate) trait Sample: Copy {
+    fn at(&self) -> Instant;
+    fn source(&self) -> SampleSource;
+    /// Regressors and response (ms).
+    fn row(&self) -> ([f64; K], f64);
+}
+
+impl TransferSample {
+    pub(crate) fn validate(&self) -> Result<(), SampleError> {
+        if self.bytes == 0 {
+            return Err(invalid("transfer", "bytes", 0, "at least 1 byte"));
+        }
+        if self.descriptors == 0 {
+            return Err(invalid("transfer", "descriptors", 0, "at least 1 descriptor"));
+        }
+        if self.latency.is_zero() {
+            return Err(invalid("transfer", "latency", "0 ns", "a duration > 0"));
+        }
+        Ok(())
+    }
+}
+
+impl Sample for TransferSample {
+    fn at(&self) -> Instant {
+        self.at
+    }
+    fn source(&self) -> SampleSource {
+        self.source
+    }
+    /// `latency_ms ≈ fixed_ms + bytes · ms_per_byte + descriptors · ms_per_descriptor`.
+    fn row(&self) -> ([f64; K], f64) {
+        ([1.0, self.bytes as f64, self.descriptors as f64], ms(self.latency))
+    }
+}
+
+impl PrefillSample {
+    pub(crate) fn validate(&self) -> Result<(), SampleError> {
+        if self.prompt_tokens == 0 {
+            return Err(invalid("prefill", "prompt_tokens", 0, "at least 1 token"));
+        }
+        if self.reused_tokens >= self.prompt_tokens {
+            return Err(invalid(
+                "prefill",
+                "reused_tokens",
+                self.reused_tokens,
+                "fewer than prompt_tokens (at least one token is computed)",
+            ));
+        }
+        if self.latency.is_zero() {
+            return Err(invalid("prefill", "latency", "0 ns", "a duration > 0"));
+        }
+        Ok(())
+    }
+}
+
+impl Sample for PrefillSample {
+    fn at(&self) -> Instant {
+        self.at
+    }
+    fn source(&self) -> SampleSource {
+        self.source
+    }
+    /// `latency_ms ≈ p0 + n·k1 + n·(ctx + n/2)·k2`, `n` computed tokens, `ctx`
+    /// reused tokens (each computed token attends on average to `ctx + n/2`
+    /// earlier tokens).
+    fn row(&self) -> ([f64; K], f64) {
+        let n = (self.prompt_tokens - self.reused_tokens) as f64;
+        let ctx = self.reused_tokens as f64;
+        ([1.0, n, n * (ctx + n / 2.0)], ms(self.latency))
+    }
+}
+
+/// Samples behind a fit, per source.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceStats {
+    /// The source.
+    pub source: SampleSource,
+    /// Samples of this source in the window.
+    pub samples: usize,
+    /// Age of the newest of them, ms.
+    pub newest_age_ms: f64,
+    /// Age of the oldest of them, ms.
+    pub oldest_age_ms: f64,
+}
+
+/// Result of one model's fit: coefficients (their meaning depends on the
+/// model), quality and confidence.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ModelFit {
+    pub fit: Fit,
+    /// Per coefficient: fixed at the last good value (true) or the config
+    /// prior (false) when not identified.
+    pub from_last_good: [bool; K],
+    pub confidence: f64,
+    pub newest: Instant,
+}
+
+/// Per-coefficient confidence penalty when a coefficient is fixed at the
+/// config prior (at a last good value the penalty is halved).
+pub(crate) type Penalty = [f64; K];
+
+/// Window of samples of one model, and its latest fit.
+#[derive(Clone, Debug)]
+pub(crate) struct SampleModel<S: Sample> {
+    pub samples: VecDeque<S>,
+    pub last_good: [Option<f64>; K],
+    pub fit: Option<ModelFit>,
+}
+
+impl<S: Sample> Default for SampleModel<S> {
+    fn default() -> Self {
+        SampleModel { samples: VecDeque::new(), last_good: [None; K], fit: None }
+    }
+}
+
+impl<S: Sample> SampleModel<S> {
+    pub fn push(&mut self, s: S, cfg: &CostModelConfig) {
+        self.samples.push_back(s);
+        while self.samples.len() > cfg.max_samples_per_model {
+            self.samples.pop_front();
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.samples.clear();
+        self.fit = None;
+    }
+
+    /// Drops samples older than `max_sample_age_ms` or whose decay weight is
+    /// below 1e-4 (about 13 half-lives: they no longer move the fit).
+    fn prune(&mut self, now: Instant, half_life: Duration, cfg: &CostModelConfig) {
+        let max_age = Duration::from_millis(cfg.max_sample_age_ms).min(half_life.saturating_mul(13));
+        // Samples arrive roughly in time order; drop from the front while too old,
+        // then filter any straggler.
+        self.samples.retain(|s| now.saturating_duration_since(s.at()) <= max_age);
+    }
+
+    /// Refits at `now`. `config_prior` holds the priors from the config;
+    /// `penalty` the confidence factor of each coefficient when it is fixed.
+    pub fn refit(
+        &mut self,
+        now: Instant,
+        half_life: Duration,
+        cfg: &CostModelConfig,
+        config_prior: [f64; K],
+        penalty: Penalty,
+    ) {
+        self.prune(now, half_life, cfg);
+        if self.samples.len() < cfg.min_samples {
+            self.fit = None;
+            return;
+        }
+        let hl = half_life.as_secs_f64();
+        let rows: Vec<Row> = self
+            .samples
+            .iter()
+            .map(|s| {
+                let (x, y) = s.row();
+                let age = now.saturating_duration_since(s.at()).as_secs_f64();
+                let sw = match s.source() {
+                    SampleSource::Ebpf => cfg.source_weights.ebpf,
+                    SampleSource::Userspace => cfg.source_weights.userspace,
+                    SampleSource::ActiveProbe => cfg.source_weights.active_probe,
+                };
+                Row { x, y, w: sw * (-(age / hl) * std::f64::consts::LN_2).exp() }
+            })
+            .collect();
+        let mut prior = config_prior;
+        let mut from_last_good = [false; K];
+        for j in 0..K {
+            if let Some(v) = self.last_good[j] {
+                prior[j] = v;
+                from_last_good[j] = true;
+            }
+        }
+        let params = FitParams { prior, min_pivot: cfg.min_pivot, min_sigma: 0.01, floor_y: 1e-6 };
+        let Some(f) = fit::robust_fit(&rows, &params) else {
+            self.fit = None;
+            return;
+        };
+        let newest = self.samples.iter().map(|s| s.at()).max().unwrap_or(now);
+        // Confidence = count × staleness × identifiability × noise.
+        let count = f.n_eff / (f.n_eff + cfg.confidence_half_samples);
+        let age_s = now.saturating_duration_since(newest).as_secs_f64();
+        let stale = (-(age_s * 1e3 / cfg.staleness_half_life_ms as f64) * std::f64::consts::LN_2).exp();
+        let mut ident = 1.0;
+        for j in 0..K {
+            if !f.identified[j] {
+                ident *= if from_last_good[j] { (1.0 + penalty[j]) / 2.0 } else { penalty[j] };
+            }
+        }
+        let noise = 1.0 / (1.0 + (f.sigma_rel / 0.5).powi(2));
+        let confidence = (count * stale * ident * noise).clamp(0.0, 1.0);
+        for j in 0..K {
+            if f.identified[j] {
+                self.last_good[j] = Some(f.beta[j]);
+            }
+        }
+        self.fit = Some(ModelFit { fit: f, from_last_good, confidence, newest });
+    }
+
+    pub fn source_stats(&self, now: Instant) -> Vec<SourceStats> {
+        SampleSource::ALL
+            .iter()
+            .filter_map(|&src| {
+                let ages: Vec<f64> = self
+                    .samples
+                    .iter()
+                    .filter(|s| s.source() == src)
+                    .map(|s| ms(now.saturating_duration_since(s.at())))
+                    .collect();
+                if ages.is_empty() {
+                    return None;
+                }
+                Some(SourceStats {
+                    source: src,
+                    samples: ages.len(),
+                    newest_age_ms: ages.iter().copied().fold(f64::INFINITY, f64::min),
+                    oldest_age_ms: ages.iter().copied().fold(0.0, f64::max),
+                })
+            })
+            .collect()
+    }
+}

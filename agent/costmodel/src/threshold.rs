@@ -1,0 +1,327 @@
+//! Per-pair threshold with hysteresis, bounds and change history.
+//!
+//! Policy (why):
+//! - Before a pair's first confident estimate the published threshold is the
+//!   static default (vLLM's 64 tokens): it is what the router would use anyway.
+//! - The first estimate with confidence ≥ `min_confidence` is published at
+//!   once: the static default is known to be far from the break-even (public
+//!   measurements put it at 2k–9k tokens), so waiting only costs.
+//! - Afterwards the threshold moves only when the estimate stays outside
+//!   `published × (1 ± band)` (and at least `min_step_tokens` away), on the
+//!   same side, for `dwell_ms`. The band is `band_rel / confidence`, capped at
+//!   `max_band_rel`: weak evidence needs a larger disagreement to move it.
+//! - When confidence falls below `min_confidence` (samples few or old) the
+//!   threshold **holds its last good value** rather than falling back to the
+//!   static 64: the last good value was measured on this pair, 64 never was,
+//!   and a stale threshold errs by the drift since then while 64 errs by the
+//!   whole break-even. The low confidence is exported with the coefficients
+//!   and the push's `valid_for_ms` bounds how long a router trusts it.
+//! - A path invalidated by the network state (link down) publishes
+//!   `max_threshold_tokens` (recompute) at once; its samples are dropped, and
+//!   the next confident estimate is published at once, like a first one.
+
+use crate::breakeven::{break_even_tokens, clamp_threshold};
+use crate::config::CostModelConfig;
+use crate::time::Instant;
+use kvloop_router_api::CostModelCoefficients;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// Which part of the cost model moved the threshold most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CauseKind {
+    /// The fixed cost per READ.
+    TransferFixedCost,
+    /// The per-token transfer cost (bandwidth, descriptors).
+    TransferPerTokenCost,
+    /// The prefill (recompute) cost.
+    PrefillCost,
+}
+
+/// Why the published threshold changed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ChangeReason {
+    /// First estimate with enough confidence (replacing the static default or
+    /// the invalidated value).
+    FirstEstimate,
+    /// The estimate stayed outside the hysteresis band for the dwell time.
+    OutsideBand {
+        /// Band used, relative.
+        band_rel: f64,
+        /// How long the estimate had been outside, ms.
+        outside_for_ms: f64,
+        /// Coefficient group whose change moved the break-even most.
+        cause: CauseKind,
+        /// Human-readable detail of the cause (old → new value).
+        detail: String,
+    },
+    /// The path to the decode node was invalidated (link down).
+    PathInvalidated {
+        /// What the network state reported.
+        detail: String,
+    },
+}
+
+/// One change of a pair's published threshold.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ThresholdChange {
+    /// When it changed (injected clock).
+    pub at: Instant,
+    /// Threshold before, tokens.
+    pub from_tokens: u64,
+    /// Threshold after, tokens.
+    pub to_tokens: u64,
+    /// Unclamped break-even estimate, tokens; `None` when READing never wins.
+    pub break_even_tokens: Option<f64>,
+    /// Pair confidence at the change.
+    pub confidence: f64,
+    /// Why.
+    pub reason: ChangeReason,
+}
+
+/// Where the published threshold comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ThresholdState {
+    /// Static default: no confident estimate yet.
+    StaticDefault,
+    /// Tracking the estimate (within hysteresis).
+    Estimated,
+    /// Holding the last good value: confidence below `min_confidence`.
+    HeldLowConfidence,
+    /// The path is invalidated: `max_threshold_tokens` (recompute).
+    Invalidated,
+}
+
+/// The estimate the pair is currently moving towards.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingMove {
+    /// Since when the estimate is outside the band on this side.
+    pub since: Instant,
+    /// `true` when above the band.
+    pub upward: bool,
+    /// Latest clamped estimate, tokens.
+    pub estimate_tokens: u64,
+}
+
+/// One evaluation of a pair's model.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Estimate {
+    pub coefficients: CostModelCoefficients,
+    pub raw_tokens: f64,
+    pub tokens: u64,
+}
+
+/// Hysteresis state of one pair.
+#[derive(Clone, Debug)]
+pub(crate) struct PairThresholdState {
+    pub published: u64,
+    pub state: ThresholdState,
+    pub published_coefficients: Option<CostModelCoefficients>,
+    pub pending: Option<PendingMove>,
+    pub history: VecDeque<ThresholdChange>,
+    pub last_estimate: Option<Estimate>,
+    pub band_rel: f64,
+}
+
+fn pct(old: f64, new: f64) -> String {
+    if old > 0.0 { format!("{:+.0} %", (new / old - 1.0) * 100.0) } else { "new".into() }
+}
+
+/// Which coefficient group explains most of the move from `old` to `new`.
+fn attribute(old: &CostModelCoefficients, new: &CostModelCoefficients) -> (CauseKind, String) {
+    let r_new = break_even_tokens(new);
+    let ln = |a: f64, b: f64| {
+        let (a, b) = (a.min(1e12).max(1.0), b.min(1e12).max(1.0));
+        (a / b).ln().abs()
+    };
+    let mut fixed = new.clone();
+    fixed.xfer_fixed_ms = old.xfer_fixed_ms;
+    let mut per_tok = new.clone();
+    per_tok.xfer_ms_per_token = old.xfer_ms_per_token;
+    let mut pre = new.clone();
+    pre.prefill_ms_per_token = old.prefill_ms_per_token;
+    pre.prefill_ms_per_token_ctx = old.prefill_ms_per_token_ctx;
+    let cands = [
+        (
+            CauseKind::TransferFixedCost,
+            ln(r_new, break_even_tokens(&fixed)),
+            format!(
+                "READ fixed cost {:.3} → {:.3} ms ({})",
+                old.xfer_fixed_ms,
+                new.xfer_fixed_ms,
+                pct(old.xfer_fixed_ms, new.xfer_fixed_ms)
+            ),
+        ),
+        (
+            CauseKind::TransferPerTokenCost,
+            ln(r_new, break_even_tokens(&per_tok)),
+            format!(
+                "READ cost per token {:.5} → {:.5} ms ({})",
+                old.xfer_ms_per_token,
+                new.xfer_ms_per_token,
+                pct(old.xfer_ms_per_token, new.xfer_ms_per_token)
+            ),
+        ),
+        (
+            CauseKind::PrefillCost,
+            ln(r_new, break_even_tokens(&pre)),
+            format!(
+                "prefill cost per token {:.5} → {:.5} ms ({}), per token·ctx {:.3e} → {:.3e} ms",
+                old.prefill_ms_per_token,
+                new.prefill_ms_per_token,
+                pct(old.prefill_ms_per_token, new.prefill_ms_per_token),
+                old.prefill_ms_per_token_ctx,
+                new.prefill_ms_per_token_ctx
+            ),
+        ),
+    ];
+    let best = cands.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).expect("three candidates");
+    (best.0, best.2)
+}
+
+impl PairThresholdState {
+    pub fn new(cfg: &CostModelConfig) -> Self {
+        PairThresholdState {
+            published: cfg.static_default_tokens.clamp(cfg.min_threshold_tokens, cfg.max_threshold_tokens),
+            state: ThresholdState::StaticDefault,
+            published_coefficients: None,
+            pending: None,
+            history: VecDeque::new(),
+            last_estimate: None,
+            band_rel: cfg.band_rel,
+        }
+    }
+
+    fn record(&mut self, cfg: &CostModelConfig, change: ThresholdChange) -> ThresholdChange {
+        self.published = change.to_tokens;
+        self.history.push_back(change.clone());
+        while self.history.len() > cfg.history_len {
+            self.history.pop_front();
+        }
+        change
+    }
+
+    /// Invalidates the path: publishes `max_threshold_tokens` at once.
+    pub fn invalidate(&mut self, now: Instant, cfg: &CostModelConfig, detail: &str) -> Option<ThresholdChange> {
+        let from = self.published;
+        self.state = ThresholdState::Invalidated;
+        self.pending = None;
+        self.last_estimate = None;
+        self.published_coefficients = None;
+        (from != cfg.max_threshold_tokens).then(|| {
+            self.record(
+                cfg,
+                ThresholdChange {
+                    at: now,
+                    from_tokens: from,
+                    to_tokens: cfg.max_threshold_tokens,
+                    break_even_tokens: None,
+                    confidence: 0.0,
+                    reason: ChangeReason::PathInvalidated { detail: detail.to_string() },
+                },
+            )
+        })
+    }
+
+    /// Advances the hysteresis with the estimate at `now`; returns the change
+    /// if the published threshold moved.
+    pub fn step(&mut self, now: Instant, cfg: &CostModelConfig, est: Option<Estimate>) -> Option<ThresholdChange> {
+        self.last_estimate = est.clone();
+        let Some(est) = est else {
+            self.pending = None;
+            if self.state == ThresholdState::Estimated {
+                self.state = ThresholdState::HeldLowConfidence;
+            }
+            return None;
+        };
+        let conf = est.coefficients.confidence;
+        self.band_rel = (cfg.band_rel / conf.max(1e-6)).clamp(cfg.band_rel, cfg.max_band_rel);
+        if conf < cfg.min_confidence {
+            self.pending = None;
+            if self.state == ThresholdState::Estimated {
+                self.state = ThresholdState::HeldLowConfidence;
+            }
+            return None;
+        }
+        let raw = est.raw_tokens.is_finite().then_some(est.raw_tokens);
+        match self.state {
+            ThresholdState::StaticDefault | ThresholdState::Invalidated => {
+                self.state = ThresholdState::Estimated;
+                self.pending = None;
+                self.published_coefficients = Some(est.coefficients.clone());
+                let from = self.published;
+                return (from != est.tokens).then(|| {
+                    self.record(
+                        cfg,
+                        ThresholdChange {
+                            at: now,
+                            from_tokens: from,
+                            to_tokens: est.tokens,
+                            break_even_tokens: raw,
+                            confidence: conf,
+                            reason: ChangeReason::FirstEstimate,
+                        },
+                    )
+                });
+            }
+            ThresholdState::HeldLowConfidence | ThresholdState::Estimated => {
+                self.state = ThresholdState::Estimated;
+            }
+        }
+        let p = self.published as f64;
+        let e = est.tokens as f64;
+        let far = est.tokens.abs_diff(self.published) >= cfg.min_step_tokens;
+        let upward = e > p * (1.0 + self.band_rel);
+        let downward = e < p * (1.0 - self.band_rel);
+        if !(far && (upward || downward)) {
+            self.pending = None;
+            return None;
+        }
+        let since = match &self.pending {
+            Some(pm) if pm.upward == upward => pm.since,
+            _ => now,
+        };
+        self.pending = Some(PendingMove { since, upward, estimate_tokens: est.tokens });
+        let outside_for = now.saturating_duration_since(since);
+        if outside_for < Duration::from_millis(cfg.dwell_ms) {
+            return None;
+        }
+        let (cause, detail) = match &self.published_coefficients {
+            Some(old) => attribute(old, &est.coefficients),
+            None => (CauseKind::TransferPerTokenCost, "no earlier model".to_string()),
+        };
+        self.pending = None;
+        self.published_coefficients = Some(est.coefficients.clone());
+        let from = self.published;
+        Some(self.record(
+            cfg,
+            ThresholdChange {
+                at: now,
+                from_tokens: from,
+                to_tokens: est.tokens,
+                break_even_tokens: raw,
+                confidence: conf,
+                reason: ChangeReason::OutsideBand {
+                    band_rel: self.band_rel,
+                    outside_for_ms: outside_for.as_secs_f64() * 1e3,
+                    cause,
+                    detail,
+                },
+            },
+        ))
+    }
+}
+
+/// Builds an [`Estimate`] from router-form coefficients, clamped to the config bounds.
+pub(crate) fn estimate(c: CostModelCoefficients, cfg: &CostModelConfig) -> Estimate {
+    let raw = break_even_tokens(&c);
+    Estimate {
+        tokens: clamp_threshold(raw, cfg.min_threshold_tokens, cfg.max_threshold_tokens),
+        raw_tokens: raw,
+        coefficients: c,
+    }
+}
