@@ -1,0 +1,182 @@
+//! The router's TOML configuration. Every field has a default (shown in its
+//! docstring); `kvloop-router` flags override the file.
+//!
+//! ```toml
+//! listen = "127.0.0.1:8000"          # client-facing address
+//! admin_token = "s3cret"             # bearer token for PUT /admin/thresholds ("" = endpoint disabled)
+//! kv_recompute_threshold = 64        # static threshold, tokens (vLLM default)
+//!
+//! [[engines]]
+//! engine_id = "p0"
+//! role = "prefill"
+//! http_url = "http://127.0.0.1:8100"
+//! side_channel_host = "127.0.0.1"
+//! side_channel_port = 5600
+//!
+//! [[engines]]
+//! engine_id = "d0"
+//! role = "decode"
+//! http_url = "http://[::1]:8200"
+//! side_channel_host = "::1"
+//! side_channel_port = 5601
+//! tp_size = 1
+//! block_size_tokens = 16
+//! ```
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::registry::EngineConfig;
+
+/// How the prefix safety check compares prompts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixCheckMode {
+    /// Token ids from the prefill engine's `/tokenize` (plus the message
+    /// history for the generated tail); falls back to `history` per request
+    /// when `/tokenize` fails.
+    Tokens,
+    /// Message history (chat) or prompt text (completions) only.
+    History,
+}
+
+impl PrefixCheckMode {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixCheckMode::Tokens => "tokens",
+            PrefixCheckMode::History => "history",
+        }
+    }
+}
+
+/// Router configuration (TOML). Defaults in brackets.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Client-facing listen address [`127.0.0.1:8000`].
+    pub listen: SocketAddr,
+    /// Bearer token of `PUT /admin/thresholds` [`""`: endpoint answers 401].
+    pub admin_token: String,
+    /// Header carrying the tenant [`x-tenant-id`].
+    pub tenant_header: String,
+    /// Tenant of requests without that header [`default`].
+    pub default_tenant: String,
+    /// D's `decoder_kv_blocks_ttl`, ms [480000, vLLM's default 480 s].
+    pub decoder_kv_blocks_ttl_ms: u64,
+    /// Safety margin subtracted from that TTL for stored entries, ms [30000].
+    pub ttl_safety_margin_ms: u64,
+    /// Maximum stored conversations (LRU beyond) [1000000].
+    pub store_capacity: usize,
+    /// Static recompute threshold, tokens [64, vLLM's `kv_recompute_threshold` default].
+    pub kv_recompute_threshold: u64,
+    /// Prefix safety check [`tokens`].
+    pub prefix_check: PrefixCheckMode,
+    /// Period of engine health checks (`GET /health`), ms [2000].
+    pub health_interval_ms: u64,
+    /// Timeout of one health check, ms [1000].
+    pub health_timeout_ms: u64,
+    /// Connect timeout to engines, ms [2000].
+    pub connect_timeout_ms: u64,
+    /// Timeout of a prefill request (headers and body), ms [600000].
+    pub prefill_timeout_ms: u64,
+    /// Timeout until a decode engine's response headers, ms [600000].
+    pub decode_timeout_ms: u64,
+    /// Maximum request body, bytes [67108864].
+    pub max_body_bytes: usize,
+    /// Registered engines [none].
+    pub engines: Vec<EngineConfig>,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8000".parse().expect("valid"),
+            admin_token: String::new(),
+            tenant_header: "x-tenant-id".into(),
+            default_tenant: "default".into(),
+            decoder_kv_blocks_ttl_ms: 480_000,
+            ttl_safety_margin_ms: 30_000,
+            store_capacity: 1_000_000,
+            kv_recompute_threshold: crate::thresholds::DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS,
+            prefix_check: PrefixCheckMode::Tokens,
+            health_interval_ms: 2_000,
+            health_timeout_ms: 1_000,
+            connect_timeout_ms: 2_000,
+            prefill_timeout_ms: 600_000,
+            decode_timeout_ms: 600_000,
+            max_body_bytes: 64 << 20,
+            engines: Vec::new(),
+        }
+    }
+}
+
+/// Config errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// TOML syntax or an unknown/mistyped field (the message names it).
+    #[error("config: {0}")]
+    Toml(#[from] toml::de::Error),
+    /// A field has an invalid value.
+    #[error("config: {field}: {message}")]
+    Invalid {
+        /// Field.
+        field: &'static str,
+        /// Expected.
+        message: &'static str,
+    },
+}
+
+impl RouterConfig {
+    /// Parse TOML text.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field.
+    pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
+        let c: RouterConfig = toml::from_str(s)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Check cross-field rules.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.ttl_safety_margin_ms >= self.decoder_kv_blocks_ttl_ms {
+            return Err(ConfigError::Invalid {
+                field: "ttl_safety_margin_ms",
+                message: "expected less than decoder_kv_blocks_ttl_ms",
+            });
+        }
+        if self.store_capacity == 0 {
+            return Err(ConfigError::Invalid { field: "store_capacity", message: "expected a positive integer" });
+        }
+        if self.tenant_header.is_empty() {
+            return Err(ConfigError::Invalid { field: "tenant_header", message: "expected a header name" });
+        }
+        Ok(())
+    }
+
+    /// TTL of stored conversation entries, ms.
+    pub fn store_ttl_ms(&self) -> u64 {
+        self.decoder_kv_blocks_ttl_ms - self.ttl_safety_margin_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_names_unknown_fields() {
+        let c = RouterConfig::from_toml(
+            "admin_token = \"t\"\n[[engines]]\nengine_id = \"p0\"\nrole = \"prefill\"\nhttp_url = \"http://127.0.0.1:1\"\nside_channel_host = \"::1\"\nside_channel_port = 5\n",
+        )
+        .unwrap();
+        assert_eq!(c.kv_recompute_threshold, 64);
+        assert_eq!(c.engines[0].tp_size, 1);
+        let e = RouterConfig::from_toml("kv_recompute_treshold = 3").unwrap_err();
+        assert!(e.to_string().contains("kv_recompute_treshold"), "{e}");
+    }
+}

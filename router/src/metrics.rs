@@ -1,0 +1,134 @@
+//! Prometheus metrics of the router (`GET /metrics`, OpenMetrics text).
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// `endpoint` and `outcome` of a client request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// `completions` or `chat_completions`.
+    pub endpoint: &'static str,
+    /// `ok`, `client_error`, `prefill_error`, `decode_error`, `unavailable`.
+    pub outcome: &'static str,
+}
+
+/// One label with a static value.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Value.
+    pub reason: &'static str,
+}
+
+/// Eviction cause.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabel {
+    /// `lru` or `expired`.
+    pub cause: &'static str,
+}
+
+/// Prefix check mode.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabel {
+    /// `tokens` or `history`.
+    pub mode: &'static str,
+}
+
+/// Engine id.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineLabel {
+    /// Engine id.
+    pub engine_id: String,
+}
+
+/// All metrics.
+pub struct Metrics {
+    registry: Registry,
+    /// `kvloop_router_requests_total{endpoint,outcome}`.
+    pub requests: Family<RequestLabels, Counter>,
+    /// `kvloop_router_ttft_seconds`: request arrival to the first byte of D's
+    /// answer forwarded (streaming) or to D's full answer (non-streaming).
+    pub ttft_seconds: Histogram,
+    /// `kvloop_router_decisions_total{reason}`.
+    pub decisions: Family<ReasonLabel, Counter>,
+    /// `kvloop_router_store_entries`.
+    pub store_entries: Gauge,
+    /// `kvloop_router_store_evictions_total{cause}`.
+    pub evictions: Family<CauseLabel, Counter>,
+    /// `kvloop_router_store_skipped_total{reason}`: finished turns not stored.
+    pub store_skipped: Family<ReasonLabel, Counter>,
+    /// `kvloop_router_prefill_retries_total`: P retried once without D's params.
+    pub prefill_retries: Counter,
+    /// `kvloop_router_params_rejected_total{reason}`: engine params rejected (`source_prefill`, `source_decode`, `unknown_engine`).
+    pub params_rejected: Family<ReasonLabel, Counter>,
+    /// `kvloop_router_prefix_check_mode{mode}`: 1 for the mode in force.
+    pub prefix_check_mode: Family<ModeLabel, Gauge>,
+    /// `kvloop_router_engine_healthy{engine_id}`.
+    pub engine_healthy: Family<EngineLabel, Gauge>,
+    /// `kvloop_router_threshold_pushes_total{reason}`: `applied`, `stale`, `rejected`, `unauthorized`.
+    pub threshold_pushes: Family<ReasonLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Register everything under the `kvloop_router` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvloop_router");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register("requests", "Client requests by endpoint and outcome", requests.clone());
+        // 100 µs .. ~3.3 s
+        let ttft_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
+        registry.register("ttft_seconds", "Time to first token as seen by the router", ttft_seconds.clone());
+        let decisions = Family::<ReasonLabel, Counter>::default();
+        for r in crate::decision::Reason::ALL {
+            let _ = decisions.get_or_create(&ReasonLabel { reason: r.as_str() });
+        }
+        registry.register("decisions", "Reuse decisions by reason", decisions.clone());
+        let store_entries = Gauge::default();
+        registry.register("store_entries", "Conversations stored", store_entries.clone());
+        let evictions = Family::<CauseLabel, Counter>::default();
+        let _ = evictions.get_or_create(&CauseLabel { cause: "lru" });
+        let _ = evictions.get_or_create(&CauseLabel { cause: "expired" });
+        registry.register("store_evictions", "Stored conversations dropped by LRU bound or TTL", evictions.clone());
+        let store_skipped = Family::<ReasonLabel, Counter>::default();
+        registry.register("store_skipped", "Finished turns whose D params were not stored", store_skipped.clone());
+        let prefill_retries = Counter::default();
+        registry.register("prefill_retries", "Prefill requests retried without D's params", prefill_retries.clone());
+        let params_rejected = Family::<ReasonLabel, Counter>::default();
+        registry.register("params_rejected", "Engine kv_transfer_params rejected", params_rejected.clone());
+        let prefix_check_mode = Family::<ModeLabel, Gauge>::default();
+        registry.register("prefix_check_mode", "Prefix safety check in force (1)", prefix_check_mode.clone());
+        let engine_healthy = Family::<EngineLabel, Gauge>::default();
+        registry.register("engine_healthy", "Engine health (1 healthy)", engine_healthy.clone());
+        let threshold_pushes = Family::<ReasonLabel, Counter>::default();
+        registry.register("threshold_pushes", "Threshold pushes by outcome", threshold_pushes.clone());
+        Self {
+            registry,
+            requests,
+            ttft_seconds,
+            decisions,
+            store_entries,
+            evictions,
+            store_skipped,
+            prefill_retries,
+            params_rejected,
+            prefix_check_mode,
+            engine_healthy,
+            threshold_pushes,
+        }
+    }
+
+    /// OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry).expect("writing to a String");
+        s
+    }
+}

@@ -1,0 +1,193 @@
+//! Conversation store (PROTOCOL.md Router rule 1). Pure: time is passed in as
+//! milliseconds on the router's own monotonic clock.
+//!
+//! One entry per (tenant, `conversation_id`): D's last params of that
+//! conversation, the fingerprint of what its blocks cover, and an expiry at
+//! insert time + TTL (the TTL is `decoder_kv_blocks_ttl − safety margin`).
+//! Entries are single use: [`ConversationStore::take`] removes them. Memory is
+//! bounded by a capacity with LRU eviction. Since an entry is never read
+//! without being removed, LRU order is insertion order, which (with one TTL
+//! for all) is also expiry order, so [`ConversationStore::sweep_expired`] only
+//! looks at the oldest end.
+use std::num::NonZeroUsize;
+
+use lru::LruCache;
+
+use crate::fingerprint::Fingerprint;
+use crate::params::CompactParams;
+
+/// Key of a conversation: tenant and the client's `conversation_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ConvKey {
+    tenant: Box<str>,
+    conversation_id: Box<str>,
+}
+
+impl ConvKey {
+    /// Key for `tenant` / `conversation_id`.
+    pub fn new(tenant: &str, conversation_id: &str) -> Self {
+        Self { tenant: tenant.into(), conversation_id: conversation_id.into() }
+    }
+    /// Heap bytes owned.
+    pub fn heap_bytes(&self) -> usize {
+        self.tenant.len() + self.conversation_id.len()
+    }
+}
+
+/// D's params of a finished turn and what they cover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredTurn {
+    /// D's params, compact.
+    pub params: CompactParams,
+    /// Index of D in the engine registry.
+    pub decode_engine: u16,
+    /// `remote_num_tokens` of D's params (prompt + generated − 1).
+    pub remote_num_tokens: u32,
+    /// What the blocks cover.
+    pub fingerprint: Fingerprint,
+    /// Expiry on the router's clock, ms.
+    pub expires_at_ms: u64,
+}
+
+/// Result of [`ConversationStore::take`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// Nothing stored.
+    Missing,
+    /// An entry was stored but its TTL has passed (it is removed).
+    Expired,
+    /// A live entry, now removed from the store (single use).
+    Found(StoredTurn),
+}
+
+/// Why entries left the store other than by `take`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Evictions {
+    /// Evicted by the capacity bound.
+    pub lru: u64,
+    /// Dropped at TTL.
+    pub expired: u64,
+}
+
+/// The bounded, single-use conversation store.
+pub struct ConversationStore {
+    map: LruCache<ConvKey, StoredTurn>,
+    ttl_ms: u64,
+}
+
+impl ConversationStore {
+    /// A store holding at most `capacity` entries, each live for `ttl_ms`.
+    pub fn new(capacity: NonZeroUsize, ttl_ms: u64) -> Self {
+        Self { map: LruCache::new(capacity), ttl_ms }
+    }
+
+    /// TTL of new entries, ms.
+    pub fn ttl_ms(&self) -> u64 {
+        self.ttl_ms
+    }
+
+    /// Entries stored (live or not yet swept).
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Store (overwriting) a turn at `now_ms`; its expiry is set to
+    /// `now_ms + ttl_ms`. Returns the evictions this caused.
+    pub fn insert(&mut self, key: ConvKey, mut turn: StoredTurn, now_ms: u64) -> Evictions {
+        let mut ev = Evictions::default();
+        turn.expires_at_ms = now_ms.saturating_add(self.ttl_ms);
+        if let Some((old_key, _)) = self.map.push(key.clone(), turn)
+            && old_key != key
+        {
+            ev.lru += 1;
+        }
+        ev
+    }
+
+    /// Remove and return the entry of `key` (single use).
+    pub fn take(&mut self, key: &ConvKey, now_ms: u64) -> Lookup {
+        match self.map.pop(key) {
+            None => Lookup::Missing,
+            Some(t) if t.expires_at_ms <= now_ms => Lookup::Expired,
+            Some(t) => Lookup::Found(t),
+        }
+    }
+
+    /// Drop entries whose TTL has passed; returns how many.
+    pub fn sweep_expired(&mut self, now_ms: u64) -> u64 {
+        let mut n = 0;
+        while let Some((_, t)) = self.map.peek_lru() {
+            if t.expires_at_ms > now_ms {
+                break;
+            }
+            self.map.pop_lru();
+            n += 1;
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::KvParams;
+    use serde_json::json;
+
+    fn turn() -> StoredTurn {
+        let p = KvParams::parse(&json!({"remote_engine_id": "d0", "remote_request_id": "r", "remote_block_ids": [[1]], "remote_port": 1}))
+            .unwrap();
+        StoredTurn {
+            params: p.compact(),
+            decode_engine: 0,
+            remote_num_tokens: 10,
+            fingerprint: Fingerprint::default(),
+            expires_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn single_use() {
+        let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
+        let k = ConvKey::new("t", "c");
+        s.insert(k.clone(), turn(), 0);
+        assert!(matches!(s.take(&k, 1), Lookup::Found(_)));
+        assert_eq!(s.take(&k, 2), Lookup::Missing);
+    }
+
+    #[test]
+    fn expires_by_injected_clock() {
+        let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
+        let k = ConvKey::new("t", "c");
+        s.insert(k.clone(), turn(), 5);
+        assert_eq!(s.take(&k, 1005), Lookup::Expired);
+        s.insert(k.clone(), turn(), 5);
+        s.insert(ConvKey::new("t", "d"), turn(), 500);
+        assert_eq!(s.sweep_expired(1004), 0);
+        assert_eq!(s.sweep_expired(1005), 1);
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn tenants_are_isolated() {
+        let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
+        s.insert(ConvKey::new("a", "c"), turn(), 0);
+        assert_eq!(s.take(&ConvKey::new("b", "c"), 1), Lookup::Missing);
+        assert!(matches!(s.take(&ConvKey::new("a", "c"), 1), Lookup::Found(_)));
+    }
+
+    #[test]
+    fn lru_bound_counts_evictions_but_not_overwrites() {
+        let mut s = ConversationStore::new(NonZeroUsize::new(2).unwrap(), 1000);
+        assert_eq!(s.insert(ConvKey::new("t", "1"), turn(), 0).lru, 0);
+        assert_eq!(s.insert(ConvKey::new("t", "2"), turn(), 0).lru, 0);
+        assert_eq!(s.insert(ConvKey::new("t", "2"), turn(), 0).lru, 0);
+        assert_eq!(s.insert(ConvKey::new("t", "3"), turn(), 0).lru, 1);
+        assert_eq!(s.take(&ConvKey::new("t", "1"), 1), Lookup::Missing);
+        assert_eq!(s.len(), 2);
+    }
+}
