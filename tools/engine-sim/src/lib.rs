@@ -114,6 +114,9 @@ pub struct SimConfig {
     /// 0 leaves the decision to the router.
     #[arg(long, default_value_t = 0)]
     pub kv_recompute_threshold_tokens: u64,
+    /// Do not serve `/tokenize` (404), like an engine without that endpoint.
+    #[arg(long)]
+    pub no_tokenize: bool,
 }
 
 impl Default for SimConfig {
@@ -136,6 +139,7 @@ impl Default for SimConfig {
             tp_size: 1,
             default_max_tokens: 16,
             kv_recompute_threshold_tokens: 0,
+            no_tokenize: false,
         }
     }
 }
@@ -379,6 +383,8 @@ pub struct StatsSnapshot {
     pub holds: u64,
     /// Last `X-KVLoop-Tokens` header seen, if any.
     pub last_tokens_header: Option<String>,
+    /// `kv_transfer_params` of the last generation request, if any.
+    pub last_kv_transfer_params: Option<Value>,
 }
 
 /// Shared state of one engine.
@@ -392,6 +398,7 @@ pub struct Engine {
     transfer: Arc<dyn KvTransfer>,
     stats: Stats,
     last_tokens_header: Mutex<Option<String>>,
+    last_params: Mutex<Option<Value>>,
     next_request: AtomicU64,
 }
 
@@ -456,18 +463,21 @@ pub async fn spawn_with_transfer(cfg: SimConfig, transfer: Arc<dyn KvTransfer>) 
         transfer,
         stats: Stats::default(),
         last_tokens_header: Mutex::new(None),
+        last_params: Mutex::new(None),
         next_request: AtomicU64::new(0),
         cfg,
     });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = Router::new()
+    let mut app = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize))
         .route("/health", get(|| async { StatusCode::OK }))
-        .route("/sim/stats", get(stats))
-        .with_state(engine.clone());
+        .route("/sim/stats", get(stats));
+    if !engine.cfg.no_tokenize {
+        app = app.route("/tokenize", post(tokenize));
+    }
+    let app = app.with_state(engine.clone());
     let side_app = Router::new().route("/kv/read", post(side_read)).with_state(engine.clone());
     let (side_tx, side_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -511,6 +521,7 @@ impl Engine {
             side_reads_refused: s.side_reads_refused.load(Ordering::Relaxed),
             holds: self.holds.lock().unwrap().len() as u64,
             last_tokens_header: self.last_tokens_header.lock().unwrap().clone(),
+            last_kv_transfer_params: self.last_params.lock().unwrap().clone(),
         }
     }
 
@@ -689,6 +700,7 @@ async fn generate(e: Arc<Engine>, api: Api, headers: HeaderMap, raw: axum::body:
     };
     let n_prompt = tokens.len() as u64;
     let params = body.get("kv_transfer_params").filter(|v| !v.is_null());
+    *e.last_params.lock().unwrap() = params.cloned();
     let request_id = e.new_request_id();
     let created = 1_700_000_000u64;
     match e.cfg.role {

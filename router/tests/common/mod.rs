@@ -1,0 +1,181 @@
+//! Test harness: engine-sims and a router in-process on loopback ports.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use kvloop_engine_sim::{Role as SimRole, SimConfig, SimHandle, StatsSnapshot};
+use kvloop_router::registry::{EngineConfig, Role};
+use kvloop_router::{ManualClock, RouterConfig, RunningRouter};
+use serde_json::{Value, json};
+
+pub const TOKEN: &str = "test-admin-token";
+
+pub struct Cluster {
+    pub prefill: Vec<SimHandle>,
+    pub decode: Vec<SimHandle>,
+    pub router: RunningRouter,
+    pub clock: Arc<ManualClock>,
+    pub http: reqwest::Client,
+}
+
+pub struct Opts {
+    pub n_prefill: usize,
+    pub n_decode: usize,
+    pub ipv6: bool,
+    pub no_tokenize: bool,
+    /// Register P under another id than the one it writes in its params.
+    pub misregister_prefill: bool,
+    pub tweak: fn(&mut RouterConfig),
+    pub sim_tweak: fn(&mut SimConfig),
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            n_prefill: 1,
+            n_decode: 1,
+            ipv6: false,
+            no_tokenize: false,
+            misregister_prefill: false,
+            tweak: |_| {},
+            sim_tweak: |_| {},
+        }
+    }
+}
+
+pub async fn sim(role: SimRole, id: &str, o: &Opts) -> SimHandle {
+    let lo = if o.ipv6 { "[::1]:0" } else { "127.0.0.1:0" };
+    let mut c = SimConfig {
+        role,
+        engine_id: id.into(),
+        http_addr: lo.parse().unwrap(),
+        side_channel_addr: lo.parse().unwrap(),
+        prefill_us_per_token: 1,
+        transfer_us_per_token: 0,
+        no_tokenize: o.no_tokenize,
+        ..SimConfig::default()
+    };
+    if o.ipv6 {
+        // the router must rewrite this from its registry, or READs fail
+        c.advertised_host = Some("unroutable.invalid".into());
+    }
+    (o.sim_tweak)(&mut c);
+    kvloop_engine_sim::spawn(c).await.expect("engine-sim starts")
+}
+
+fn entry(h: &SimHandle, id: &str, role: Role) -> EngineConfig {
+    let ip = h.side_channel_addr.ip().to_string();
+    EngineConfig::new(id, role, &h.url(), &ip, h.side_channel_addr.port())
+}
+
+impl Cluster {
+    pub async fn start(o: Opts) -> Cluster {
+        let mut prefill = Vec::new();
+        let mut decode = Vec::new();
+        let mut engines = Vec::new();
+        for i in 0..o.n_prefill {
+            let id = format!("p{i}");
+            let h = sim(SimRole::Prefill, &id, &o).await;
+            let reg_id = if o.misregister_prefill { format!("other-{id}") } else { id };
+            engines.push(entry(&h, &reg_id, Role::Prefill));
+            prefill.push(h);
+        }
+        for i in 0..o.n_decode {
+            let id = format!("d{i}");
+            let h = sim(SimRole::Decode, &id, &o).await;
+            engines.push(entry(&h, &id, Role::Decode));
+            decode.push(h);
+        }
+        let mut cfg = RouterConfig {
+            listen: if o.ipv6 { "[::1]:0".parse().unwrap() } else { "127.0.0.1:0".parse().unwrap() },
+            admin_token: TOKEN.into(),
+            engines,
+            ..RouterConfig::default()
+        };
+        (o.tweak)(&mut cfg);
+        let clock = Arc::new(ManualClock::default());
+        let router = kvloop_router::start(cfg, Box::new(clock.clone())).await.expect("router starts");
+        Cluster { prefill, decode, router, clock, http: reqwest::Client::new() }
+    }
+
+    pub async fn metric(&self, series: &str) -> f64 {
+        metric(&self.http, &self.router.url(), series).await
+    }
+
+    pub fn p_stats(&self, i: usize) -> StatsSnapshot {
+        self.prefill[i].engine.stats()
+    }
+
+    pub fn d_stats(&self, i: usize) -> StatsSnapshot {
+        self.decode[i].engine.stats()
+    }
+
+    /// One chat turn. Returns (status, answer text or error body).
+    pub async fn chat(&self, tenant: Option<&str>, conv: &str, messages: &[Value], stream: bool, sim: Value) -> (u16, String) {
+        let body = json!({"model": "sim-model", "messages": messages, "max_tokens": 8, "stream": stream,
+                          "conversation_id": conv, "sim": sim});
+        post(&self.http, &format!("{}/v1/chat/completions", self.router.url()), tenant, &body, stream).await
+    }
+}
+
+pub async fn post(http: &reqwest::Client, url: &str, tenant: Option<&str>, body: &Value, stream: bool) -> (u16, String) {
+    let mut req = http.post(url).json(body);
+    if let Some(t) = tenant {
+        req = req.header("x-tenant-id", t);
+    }
+    let r = req.send().await.expect("router reachable");
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    if status != 200 {
+        return (status, text);
+    }
+    if stream {
+        let mut out = String::new();
+        for line in text.lines() {
+            let Some(d) = line.strip_prefix("data: ") else { continue };
+            if d == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(d).unwrap();
+            if let Some(c) = v["choices"].get(0) {
+                if let Some(t) = c["delta"]["content"].as_str() {
+                    out.push_str(t);
+                }
+                if let Some(t) = c["text"].as_str() {
+                    out.push_str(t);
+                }
+            }
+        }
+        (status, out)
+    } else {
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let c = &v["choices"][0];
+        let t = c["message"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default();
+        (status, t.to_string())
+    }
+}
+
+pub async fn metric(http: &reqwest::Client, base: &str, series: &str) -> f64 {
+    let text = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).map(|v| v.trim().parse::<f64>().unwrap()))
+        .unwrap_or(0.0)
+}
+
+pub fn user(text: &str) -> Value {
+    json!({"role": "user", "content": text})
+}
+
+pub fn assistant(text: &str) -> Value {
+    json!({"role": "assistant", "content": text})
+}
+
+pub fn words(n: usize, tag: &str) -> String {
+    (0..n).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+}
+
+pub const PULLED: &str = "kvloop_router_decisions_total{reason=\"pulled\"}";
+pub const NO_ENTRY: &str = "kvloop_router_decisions_total{reason=\"no_entry\"}";
+pub const EXPIRED: &str = "kvloop_router_decisions_total{reason=\"expired\"}";
+pub const MISMATCH: &str = "kvloop_router_decisions_total{reason=\"prefix_mismatch\"}";
+pub const BELOW: &str = "kvloop_router_decisions_total{reason=\"recomputed_below_threshold\"}";
