@@ -1,0 +1,8 @@
+/* Headers bindgen reads to generate kvloop's own libfabric bindings. */
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_errno.h>
+#include "kvl_helpers.h"
