@@ -13,9 +13,12 @@ pub const PEER_LEN: usize = 32;
 #[cfg(not(target_arch = "bpf"))]
 pub mod usdt;
 
+pub mod maps;
+pub use maps::*;
+
 /// Direction of a KV-block READ, seen from the reader.
 #[repr(u8)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {
     /// Not known to the dataplane (for example an active probe READ).
     Unknown = 0,

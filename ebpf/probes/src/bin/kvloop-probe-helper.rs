@@ -1,0 +1,150 @@
+//! Test and benchmark helper for kvloop-probes: a process whose transfers the
+//! probes observe from outside.
+//!
+//! ```text
+//! kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer>
+//! kvloop-probe-helper nixl-read <count> <bytes>
+//! ```
+//!
+//! Both wait for one line on stdin (so the caller can attach first), print
+//! `ready pid=<pid>` before waiting, then one line per READ:
+//! `read id=<xfer_id> user_ns=<post→done ns> bytes=<bytes>`, then `done`.
+//!
+//! `usdt-reads` calls `kvloop_common::usdt::read_post` / `read_done` around
+//! `work_us` µs of busy work (direction P→D, backend libfabric).
+//! `nixl-read` makes DRAM→DRAM READs of `bytes` between two NIXL agents of
+//! this process through the UCX backend (needs `LD_LIBRARY_PATH`,
+//! `NIXL_PLUGIN_DIR`, `UCX_MODULES='^ib*'`; shared/RECIPES.md) and times
+//! `postXferReq` → first successful `getXferStatus`.
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvloop_common::{BackendKind, Direction, ReadProbeArgs, usdt};
+
+fn wait_for_go() -> Result<()> {
+    println!("ready pid={}", std::process::id());
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    Ok(())
+}
+
+fn busy(d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+fn usdt_reads(count: u64, work_us: u64, bytes: u64, peer: &str) -> Result<()> {
+    wait_for_go()?;
+    let base = (std::process::id() as u64) << 32;
+    for i in 0..count {
+        let mut a = ReadProbeArgs {
+            xfer_id: base | i,
+            bytes,
+            descriptors: 4,
+            direction: Direction::PrefillToDecode as u8,
+            backend: BackendKind::Libfabric as u8,
+            status: 0,
+            peer: ReadProbeArgs::peer_from_str(peer),
+        };
+        let t = Instant::now();
+        usdt::read_post(&a);
+        busy(Duration::from_micros(work_us));
+        a.status = kvloop_common::status::OK;
+        usdt::read_done(&a);
+        let ns = t.elapsed().as_nanos();
+        println!("read id={} user_ns={ns} bytes={bytes}", a.xfer_id);
+    }
+    println!("done");
+    Ok(())
+}
+
+fn nixl_read(count: u64, bytes: usize) -> Result<()> {
+    use nixl_sys::{
+        Agent, MemType, NixlRegistration, OptArgs, SystemStorage, XferDescList, XferOp, XferStatus,
+    };
+    if nixl_sys::is_stub() {
+        bail!(
+            "nixl-sys is the stub: libnixl_capi.so not found (set LD_LIBRARY_PATH to the NIXL libs)"
+        );
+    }
+    let reader = Agent::new("kvloop-reader").context("Agent::new(reader)")?;
+    let target = Agent::new("kvloop-target").context("Agent::new(target)")?;
+    let (_m, params) = reader
+        .get_plugin_params("UCX")
+        .context("UCX plugin params")?;
+    let b1 = reader
+        .create_backend("UCX", &params)
+        .context("UCX backend (reader)")?;
+    let b2 = target
+        .create_backend("UCX", &params)
+        .context("UCX backend (target)")?;
+    let mut opt = OptArgs::new()?;
+    opt.add_backend(&b1)?;
+    let mut opt2 = OptArgs::new()?;
+    opt2.add_backend(&b2)?;
+    let mut local = SystemStorage::new(bytes)?;
+    let mut remote = SystemStorage::new(bytes)?;
+    local.memset(0);
+    remote.memset(0x5a);
+    local.register(&reader, Some(&opt))?;
+    remote.register(&target, Some(&opt2))?;
+    let md = target.get_local_md()?;
+    let remote_name = reader.load_remote_md(&md)?;
+    wait_for_go()?;
+    for i in 0..count {
+        let ns = {
+            let mut ldl = XferDescList::new(MemType::Dram)?;
+            ldl.add_storage_desc(&local)?;
+            let mut rdl = XferDescList::new(MemType::Dram)?;
+            rdl.add_storage_desc(&remote)?;
+            let req = reader.create_xfer_req(XferOp::Read, &ldl, &rdl, &remote_name, None)?;
+            let t = Instant::now();
+            let mut in_prog = reader.post_xfer_req(&req, None)?;
+            let deadline = t + Duration::from_secs(10);
+            while in_prog {
+                match reader.get_xfer_status(&req)? {
+                    XferStatus::Success => in_prog = false,
+                    XferStatus::InProgress => {
+                        if Instant::now() > deadline {
+                            bail!("READ {i} not complete after 10 s");
+                        }
+                    }
+                }
+            }
+            t.elapsed().as_nanos()
+        };
+        if !local.as_slice().iter().all(|&b| b == 0x5a) {
+            bail!("READ {i}: data mismatch");
+        }
+        local.memset(0);
+        println!("read id={i} user_ns={ns} bytes={bytes}");
+    }
+    println!("done");
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let num = |i: usize, what: &str| -> Result<u64> {
+        args.get(i)
+            .ok_or_else(|| anyhow::anyhow!("missing <{what}>"))?
+            .parse()
+            .with_context(|| format!("<{what}>: expected a non-negative integer"))
+    };
+    match args.first().map(String::as_str) {
+        Some("usdt-reads") => usdt_reads(
+            num(1, "count")?,
+            num(2, "work_us")?,
+            num(3, "bytes")?,
+            args.get(4).map(String::as_str).unwrap_or("decode-0"),
+        ),
+        Some("nixl-read") => nixl_read(num(1, "count")?, num(2, "bytes")? as usize),
+        _ => bail!(
+            "usage: kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer> | nixl-read <count> <bytes>"
+        ),
+    }
+}
