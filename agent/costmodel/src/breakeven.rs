@@ -135,6 +135,54 @@ pub fn break_even_tokens(c: &CostModelCoefficients) -> f64 {
     if r.is_nan() { f64::INFINITY } else { r.max(0.0) }
 }
 
+/// Standard error of [`break_even_tokens`], tokens, by the delta method:
+/// `cov_xfer` is the covariance of (`xfer_fixed_ms`, `xfer_ms_per_token`),
+/// `cov_prefill` of (`prefill_ms_per_token`, `prefill_ms_per_token_ctx`)
+/// (transfer and prefill fits are independent). The gradient is taken by
+/// central differences. 0 when the break-even is not finite.
+pub fn break_even_se_tokens(c: &CostModelCoefficients, cov_xfer: [[f64; 2]; 2], cov_prefill: [[f64; 2]; 2]) -> f64 {
+    let r0 = break_even_tokens(c);
+    if !r0.is_finite() {
+        return 0.0;
+    }
+    let grad = |set: &dyn Fn(&mut CostModelCoefficients, f64), v: f64| -> f64 {
+        let h = v.abs() * 1e-4 + 1e-12;
+        let (mut up, mut dn) = (c.clone(), c.clone());
+        set(&mut up, v + h);
+        set(&mut dn, (v - h).max(0.0));
+        let (ru, rd) = (break_even_tokens(&up), break_even_tokens(&dn));
+        if ru.is_finite() && rd.is_finite() { (ru - rd) / (v + h - (v - h).max(0.0)) } else { 0.0 }
+    };
+    let gx = [
+        grad(&|c, v| c.xfer_fixed_ms = v, c.xfer_fixed_ms),
+        grad(&|c, v| c.xfer_ms_per_token = v, c.xfer_ms_per_token),
+    ];
+    let gp = [
+        grad(&|c, v| c.prefill_ms_per_token = v, c.prefill_ms_per_token),
+        grad(&|c, v| c.prefill_ms_per_token_ctx = v, c.prefill_ms_per_token_ctx),
+    ];
+    let quad = |g: [f64; 2], m: [[f64; 2]; 2]| {
+        (0..2).map(|i| (0..2).map(|j| g[i] * m[i][j] * g[j]).sum::<f64>()).sum::<f64>()
+    };
+    let var = quad(gx, cov_xfer) + quad(gp, cov_prefill);
+    if var.is_finite() && var > 0.0 { var.sqrt() } else { 0.0 }
+}
+
+/// Covariance of (`xfer_fixed_ms`, `xfer_ms_per_token`) from the covariance of
+/// the transfer coefficients (fixed, per byte, per descriptor), for a shape.
+pub(crate) fn router_xfer_cov(cov: &[[f64; 3]; 3], shape: &KvShape) -> [[f64; 2]; 2] {
+    let regions = shape.regions_per_block as f64;
+    let block = shape.block_size_tokens.max(1) as f64;
+    let j = [[1.0, 0.0, 0.5 * regions], [0.0, shape.bytes_per_token as f64, regions / block]];
+    let mut out = [[0.0; 2]; 2];
+    for (a, row) in out.iter_mut().enumerate() {
+        for (b, cell) in row.iter_mut().enumerate() {
+            *cell = (0..3).map(|p| (0..3).map(|q| j[a][p] * cov[p][q] * j[b][q]).sum::<f64>()).sum();
+        }
+    }
+    out
+}
+
 /// [`break_even_tokens`] rounded up and clamped to `[min_tokens, max_tokens]`
 /// (`INFINITY` → `max_tokens`).
 pub fn clamp_threshold(r: f64, min_tokens: u64, max_tokens: u64) -> u64 {

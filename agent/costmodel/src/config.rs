@@ -50,14 +50,15 @@ impl Default for SourceWeights {
 #[serde(default, deny_unknown_fields)]
 pub struct CostModelConfig {
     /// Half-life of a transfer sample's weight in the transfer fit, ms.
-    /// Default 2500 ms: after a step change the new regime holds the majority
-    /// of the weight after one half-life, which is when the robust fit follows.
+    /// Default 20000 ms: long enough that ±20 % noise averages out; a step
+    /// change is followed much faster through the change detector.
     pub transfer_half_life_ms: u64,
     /// Half-life of a prefill sample's weight in the prefill fit, ms.
-    /// Default 5000 ms (prefill cost changes with load, more slowly than a link).
+    /// Default 60000 ms (prefill cost changes with load, more slowly than a
+    /// link; steps are caught by the change detector).
     pub prefill_half_life_ms: u64,
     /// Samples kept per model (peer × direction, or prefill engine); the oldest
-    /// are dropped first. Default 512.
+    /// are dropped first. Default 1024.
     pub max_samples_per_model: usize,
     /// Samples older than this are dropped, ms. Default 120000 (2 min).
     pub max_sample_age_ms: u64,
@@ -74,13 +75,26 @@ pub struct CostModelConfig {
     /// Default 0.3.
     pub min_confidence: f64,
     /// Hysteresis band at full confidence, relative: the estimate must leave
-    /// `published × (1 ± band)` before the threshold moves. Default 0.10.
-    /// The band used is `band_rel / confidence`, capped by `max_band_rel`.
+    /// `published × (1 ± band)` before the threshold moves. Default 0.08.
+    /// The band used is `max(band_rel, band_sigmas × se_rel) / confidence`,
+    /// capped by `max_band_rel` (`se_rel`: relative standard error of the
+    /// break-even).
     pub band_rel: f64,
+    /// The band is at least this many standard errors of the break-even
+    /// estimate (relative). Default 3.
+    pub band_sigmas: f64,
+    /// A threshold set from an estimate with relative standard error `se₀`
+    /// is refined (moved at once, without dwell) to an estimate whose standard
+    /// error is at most `se₀ / refine_se_factor` and which differs by more
+    /// than `max(refine_min_rel, 2 × se)`. Default 1.5.
+    pub refine_se_factor: f64,
+    /// Smallest relative difference for a refinement. Default 0.03.
+    pub refine_min_rel: f64,
     /// Widest hysteresis band (at low confidence), relative. Default 0.5.
     pub max_band_rel: f64,
     /// The estimate must also differ from the published value by at least this
-    /// many tokens to move it (one vLLM block by default). Default 16.
+    /// many tokens to move it (keeps tiny thresholds from moving by one token).
+    /// Default 4.
     pub min_step_tokens: u64,
     /// The estimate must stay outside the band on the same side for this long
     /// before the threshold moves, ms. Default 2000.
@@ -118,6 +132,15 @@ pub struct CostModelConfig {
     /// How often the driver should call `update`, ms (returned by
     /// `poll_timeout`). Default 250.
     pub update_interval_ms: u64,
+    /// Change detector (two-sided CUSUM of the new samples' standardized
+    /// relative residuals, clipped at ±3): alarm level `h`. On an alarm the
+    /// samples older than the shifted run are dropped, so the fit follows a
+    /// step change in about a second instead of a half-life. Default 20
+    /// (with the default slack: about 8 consecutive clipped samples; 5 % of
+    /// 10× outliers do not reach it).
+    pub change_detect_threshold: f64,
+    /// Change detector slack `k` per sample, in residual scales. Default 0.5.
+    pub change_detect_slack: f64,
     /// Weights of the sample sources.
     pub source_weights: SourceWeights,
 }
@@ -125,17 +148,20 @@ pub struct CostModelConfig {
 impl Default for CostModelConfig {
     fn default() -> Self {
         CostModelConfig {
-            transfer_half_life_ms: 2500,
-            prefill_half_life_ms: 5000,
-            max_samples_per_model: 512,
+            transfer_half_life_ms: 20_000,
+            prefill_half_life_ms: 60_000,
+            max_samples_per_model: 1024,
             max_sample_age_ms: 120_000,
             min_samples: 6,
             staleness_half_life_ms: 30_000,
             confidence_half_samples: 8.0,
             min_confidence: 0.3,
-            band_rel: 0.10,
+            band_rel: 0.08,
+            band_sigmas: 3.0,
+            refine_se_factor: 1.5,
+            refine_min_rel: 0.03,
             max_band_rel: 0.5,
-            min_step_tokens: 16,
+            min_step_tokens: 4,
             dwell_ms: 2000,
             min_threshold_tokens: 16,
             max_threshold_tokens: 131_072,
@@ -147,6 +173,8 @@ impl Default for CostModelConfig {
             prior_prefill_ms_per_token_ctx: 0.0,
             min_pivot: 0.01,
             update_interval_ms: 250,
+            change_detect_threshold: 20.0,
+            change_detect_slack: 0.5,
             source_weights: SourceWeights::default(),
         }
     }
@@ -180,6 +208,7 @@ impl CostModelConfig {
         let finite_pos = [
             ("confidence_half_samples", self.confidence_half_samples),
             ("prior_bandwidth_bytes_per_s", self.prior_bandwidth_bytes_per_s),
+            ("change_detect_threshold", self.change_detect_threshold),
         ];
         for (f, v) in finite_pos {
             if !(v.is_finite() && v > 0.0) {
@@ -188,6 +217,8 @@ impl CostModelConfig {
         }
         let finite_nonneg = [
             ("prior_per_descriptor_ms", self.prior_per_descriptor_ms),
+            ("change_detect_slack", self.change_detect_slack),
+            ("band_sigmas", self.band_sigmas),
             ("prior_prefill_ms_per_token", self.prior_prefill_ms_per_token),
             ("prior_prefill_ms_per_token_ctx", self.prior_prefill_ms_per_token_ctx),
             ("source_weights.ebpf", self.source_weights.ebpf),
@@ -204,6 +235,12 @@ impl CostModelConfig {
         }
         if !(self.band_rel >= 0.0 && self.band_rel < 1.0) {
             return Err(invalid("band_rel", self.band_rel, "a number in [0, 1)"));
+        }
+        if !(self.refine_se_factor.is_finite() && self.refine_se_factor > 1.0) {
+            return Err(invalid("refine_se_factor", self.refine_se_factor, "a finite number > 1"));
+        }
+        if !(self.refine_min_rel >= 0.0 && self.refine_min_rel < 1.0) {
+            return Err(invalid("refine_min_rel", self.refine_min_rel, "a number in [0, 1)"));
         }
         if !(self.max_band_rel >= self.band_rel && self.max_band_rel < 1.0) {
             return Err(invalid("max_band_rel", self.max_band_rel, "a number in [band_rel, 1)"));

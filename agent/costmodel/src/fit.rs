@@ -78,6 +78,9 @@ pub(crate) struct Fit {
     pub rejected: usize,
     /// Kish effective sample size of the inliers under the decay weights.
     pub n_eff: f64,
+    /// Covariance of `beta` (sandwich estimate under relative noise of scale
+    /// `sigma_rel`); rows and columns of fixed coefficients are 0.
+    pub cov: [[f64; K]; K],
 }
 
 /// Solves the `n × n` system `a · x = b` (Gaussian elimination with partial
@@ -230,9 +233,58 @@ fn predict(beta: &[f64; K], x: &[f64; K]) -> f64 {
     beta.iter().zip(x).map(|(b, x)| b * x).sum()
 }
 
-/// Robust fit (see module docs). `None` when no row is usable or the system is
-/// singular. Never returns non-finite coefficients.
-pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams) -> Option<Fit> {
+/// Covariance of the free coefficients: `A⁻¹ B A⁻¹` with
+/// `A = Σ uᵢ xᵢxᵢᵀ`, `B = Σ uᵢ² σ² ŷᵢ² xᵢxᵢᵀ` (relative noise: `Var yᵢ = σ² ŷᵢ²`).
+fn covariance(rows: &[Row], u: &[f64], yhat: &[f64], sigma: f64, free: [bool; K]) -> [[f64; K]; K] {
+    let idx: Vec<usize> = (0..K).filter(|&j| free[j]).collect();
+    let n = idx.len();
+    let mut cov = [[0.0; K]; K];
+    if n == 0 {
+        return cov;
+    }
+    let mut a = [[0.0; K]; K];
+    let mut b = [[0.0; K]; K];
+    for ((r, &ui), &yh) in rows.iter().zip(u).zip(yhat) {
+        for (ii, &i) in idx.iter().enumerate() {
+            for (kk, &k) in idx.iter().enumerate() {
+                a[ii][kk] += ui * r.x[i] * r.x[k];
+                b[ii][kk] += ui * ui * sigma * sigma * yh * yh * r.x[i] * r.x[k];
+            }
+        }
+    }
+    // A⁻¹ column by column.
+    let mut ainv = [[0.0; K]; K];
+    for c in 0..n {
+        let mut e = [0.0; K];
+        e[c] = 1.0;
+        match solve_small(a, e, n) {
+            Some(col) => {
+                for r in 0..n {
+                    ainv[r][c] = col[r];
+                }
+            }
+            None => return cov,
+        }
+    }
+    for (ii, &i) in idx.iter().enumerate() {
+        for (kk, &k) in idx.iter().enumerate() {
+            let mut s = 0.0;
+            for p in 0..n {
+                for q in 0..n {
+                    s += ainv[ii][p] * b[p][q] * ainv[q][kk];
+                }
+            }
+            cov[i][k] = if s.is_finite() { s } else { 0.0 };
+        }
+    }
+    cov
+}
+
+/// Robust fit (see module docs). `warm`: the previous fit's coefficients, to
+/// start from (fewer Huber iterations); `None` after a detected change.
+/// `None` when no row is usable or the system is singular. Never returns
+/// non-finite coefficients.
+pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>) -> Option<Fit> {
     let rows: Vec<Row> = rows_in
         .iter()
         .copied()
@@ -248,79 +300,113 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams) -> Option<Fit> {
             fixed[j] = 0.0;
         }
     }
-    // Start: relative least squares against the observations.
-    let u0: Vec<f64> = rows.iter().map(|r| r.w / (r.y.max(p.floor_y) * r.y.max(p.floor_y))).collect();
-    let (mut beta, mut free) = wls(&rows, &u0, identified0, fixed)?;
-    let mut robust = vec![1.0; rows.len()];
-    let mut resid = vec![0.0; rows.len()];
-    let mut sigma;
-    let mut scratch: Vec<(f64, f64)> = Vec::with_capacity(rows.len());
-    let residuals = |beta: &[f64; K], resid: &mut Vec<f64>, scratch: &mut Vec<(f64, f64)>| -> f64 {
-        scratch.clear();
-        for (i, r) in rows.iter().enumerate() {
-            let yhat = predict(beta, &r.x).max(p.floor_y);
-            resid[i] = (r.y - yhat) / yhat;
-            scratch.push((resid[i].abs(), r.w));
+    let warm = warm.filter(|w| w.iter().all(|v| v.is_finite() && *v >= 0.0));
+    let (mut beta, mut free) = match warm {
+        Some(mut w) => {
+            for j in 0..K {
+                if !identified0[j] {
+                    w[j] = fixed[j];
+                }
+            }
+            (w, identified0)
         }
+        None => {
+            // Start: relative least squares against the observations.
+            let u0: Vec<f64> = rows.iter().map(|r| r.w / (r.y.max(p.floor_y) * r.y.max(p.floor_y))).collect();
+            wls(&rows, &u0, identified0, fixed)?
+        }
+    };
+    let huber_iters = if warm.is_some() { 2 } else { HUBER_ITERS };
+    let mut resid = vec![0.0; rows.len()];
+    let mut yhat = vec![0.0; rows.len()];
+    let mut u = vec![0.0; rows.len()];
+    let mut scratch: Vec<(f64, f64)> = Vec::with_capacity(rows.len());
+    let residuals = |beta: &[f64; K], resid: &mut [f64], yhat: &mut [f64]| {
+        for (i, r) in rows.iter().enumerate() {
+            yhat[i] = predict(beta, &r.x).max(p.floor_y);
+            resid[i] = (r.y - yhat[i]) / yhat[i];
+        }
+    };
+    let scale = |resid: &[f64], scratch: &mut Vec<(f64, f64)>| -> f64 {
+        scratch.clear();
+        scratch.extend(resid.iter().zip(&rows).map(|(e, r)| (e.abs(), r.w)));
         (1.4826 * weighted_median(scratch)).max(p.min_sigma)
     };
-    for it in 0..HUBER_ITERS + BISQUARE_ITERS {
-        sigma = residuals(&beta, &mut resid, &mut scratch);
+    // Huber phase: scale re-estimated each iteration.
+    let mut sigma = p.min_sigma;
+    for _ in 0..huber_iters {
+        residuals(&beta, &mut resid, &mut yhat);
+        sigma = scale(&resid, &mut scratch);
         for i in 0..rows.len() {
             let z = (resid[i] / sigma).abs();
-            robust[i] = if it < HUBER_ITERS {
-                if z <= HUBER_K { 1.0 } else { HUBER_K / z }
-            } else if z < BISQUARE_C {
+            let q = if z <= HUBER_K { 1.0 } else { HUBER_K / z };
+            u[i] = rows[i].w * q / (yhat[i] * yhat[i]);
+        }
+        match wls(&rows, &u, identified0, fixed) {
+            Some((b, f)) => {
+                beta = b;
+                free = f;
+            }
+            None => break,
+        }
+    }
+    // Bisquare phase: scale fixed at the Huber estimate (M-estimation with a
+    // preliminary scale).
+    residuals(&beta, &mut resid, &mut yhat);
+    if huber_iters == 0 {
+        sigma = scale(&resid, &mut scratch);
+    }
+    for _ in 0..BISQUARE_ITERS {
+        for i in 0..rows.len() {
+            let z = (resid[i] / sigma).abs();
+            let q = if z < BISQUARE_C {
                 let t = 1.0 - (z / BISQUARE_C).powi(2);
                 t * t
             } else {
                 0.0
             };
+            u[i] = rows[i].w * q / (yhat[i] * yhat[i]);
         }
-        let u: Vec<f64> = rows
+        let Some((b, f)) = wls(&rows, &u, identified0, fixed) else { break };
+        let change = b
             .iter()
-            .zip(&robust)
-            .map(|(r, &q)| {
-                let yhat = predict(&beta, &r.x).max(p.floor_y);
-                r.w * q / (yhat * yhat)
-            })
-            .collect();
-        match wls(&rows, &u, identified0, fixed) {
-            Some((b, f)) => {
-                let change = b
-                    .iter()
-                    .zip(&beta)
-                    .map(|(n, o)| (n - o).abs() / o.abs().max(1e-12))
-                    .fold(0.0, f64::max);
-                beta = b;
-                free = f;
-                if it >= HUBER_ITERS && change < 1e-7 {
-                    break;
-                }
-            }
-            None => break,
+            .zip(&beta)
+            .map(|(n, o)| (n - o).abs() / o.abs().max(1e-12))
+            .fold(0.0, f64::max);
+        beta = b;
+        free = f;
+        residuals(&beta, &mut resid, &mut yhat);
+        if change < 1e-7 {
+            break;
         }
     }
-    sigma = residuals(&beta, &mut resid, &mut scratch);
+    let final_sigma = scale(&resid, &mut scratch);
     let (mut sw, mut sw2, mut inliers) = (0.0, 0.0, 0usize);
-    for (r, e) in rows.iter().zip(&resid) {
-        if (e / sigma).abs() < BISQUARE_C {
+    for i in 0..rows.len() {
+        let z = (resid[i] / sigma).abs();
+        if z < BISQUARE_C {
             inliers += 1;
-            sw += r.w;
-            sw2 += r.w * r.w;
+            sw += rows[i].w;
+            sw2 += rows[i].w * rows[i].w;
+            let t = 1.0 - (z / BISQUARE_C).powi(2);
+            u[i] = rows[i].w * t * t / (yhat[i] * yhat[i]);
+        } else {
+            u[i] = 0.0;
         }
     }
     let n_eff = if sw2 > 0.0 { sw * sw / sw2 } else { 0.0 };
-    if !beta.iter().all(|b| b.is_finite()) || !sigma.is_finite() {
+    if !beta.iter().all(|b| b.is_finite()) || !final_sigma.is_finite() {
         return None;
     }
+    let cov = covariance(&rows, &u, &yhat, final_sigma, free);
     Some(Fit {
         beta,
         identified: free,
-        sigma_rel: sigma,
+        sigma_rel: final_sigma,
         inliers,
         rejected: rows.len() - inliers,
         n_eff,
+        cov,
     })
 }
 
@@ -341,7 +427,7 @@ mod tests {
                 Row { x, y: predict(&truth, &x), w: 1.0 }
             })
             .collect();
-        let f = robust_fit(&rows, &params([0.0; K])).unwrap();
+        let f = robust_fit(&rows, &params([0.0; K]), None).unwrap();
         for j in 0..K {
             assert!((f.beta[j] - truth[j]).abs() < 1e-6 * truth[j].max(1.0), "{f:?}");
         }
@@ -352,7 +438,7 @@ mod tests {
     #[test]
     fn constant_size_fixes_slope_at_prior() {
         let rows: Vec<Row> = (0..20).map(|_| Row { x: [1.0, 100.0, 1.0], y: 12.0, w: 1.0 }).collect();
-        let f = robust_fit(&rows, &params([0.0, 0.1, 0.0])).unwrap();
+        let f = robust_fit(&rows, &params([0.0, 0.1, 0.0]), None).unwrap();
         assert_eq!(f.identified, [true, false, false]);
         assert!((f.beta[1] - 0.1).abs() < 1e-12);
         assert!((f.beta[0] - 2.0).abs() < 1e-6, "{f:?}");
@@ -368,7 +454,7 @@ mod tests {
                 Row { x, y, w: 1.0 }
             })
             .collect();
-        let f = robust_fit(&rows, &params([0.0; K])).unwrap();
+        let f = robust_fit(&rows, &params([0.0; K]), None).unwrap();
         assert!((f.beta[0] - 5.0).abs() < 1e-3 && (f.beta[1] - 0.2).abs() < 1e-5, "{f:?}");
         assert_eq!(f.rejected, 5);
     }

@@ -32,11 +32,11 @@ mod threshold;
 mod time;
 
 pub use breakeven::{
-    KvShape, PrefillCoefficients, TransferCoefficients, break_even_tokens, clamp_threshold, router_coefficients,
+    KvShape, PrefillCoefficients, TransferCoefficients, break_even_se_tokens, break_even_tokens, clamp_threshold, router_coefficients,
 };
 pub use config::{ConfigError, CostModelConfig, SourceWeights, VLLM_STATIC_THRESHOLD_TOKENS};
 pub use kvloop_router_api::{CostModelCoefficients, PairThreshold};
 pub use model::{CostModel, Explain, FitSummary, PairChange, PairSpec, PrefillFit, TransferFit};
-pub use samples::{Direction, PrefillSample, SampleError, SampleSource, SourceStats, TransferSample};
+pub use samples::{ChangePoint, Direction, PrefillSample, SampleError, SampleSource, SourceStats, TransferSample};
 pub use threshold::{CauseKind, ChangeReason, PendingMove, ThresholdChange, ThresholdState};
 pub use time::Instant;

@@ -1,10 +1,12 @@
 //! The cost model of one agent: transfer models per (peer, direction),
 //! prefill models per local prefill engine, thresholds per (P, D) pair.
 
-use crate::breakeven::{KvShape, PrefillCoefficients, TransferCoefficients, router_coefficients};
+use crate::breakeven::{
+    KvShape, PrefillCoefficients, TransferCoefficients, break_even_se_tokens, router_coefficients, router_xfer_cov,
+};
 use crate::config::{ConfigError, CostModelConfig};
 use crate::samples::{
-    Direction, PrefillSample, Sample, SampleError, SampleModel, SampleSource, SourceStats, TransferSample, invalid,
+    ChangePoint, Direction, PrefillSample, Sample, SampleError, SampleModel, SampleSource, SourceStats, TransferSample, invalid,
 };
 use crate::threshold::{PairThresholdState, PendingMove, ThresholdChange, ThresholdState, estimate};
 use crate::time::Instant;
@@ -80,6 +82,8 @@ pub struct FitSummary {
     pub confidence: f64,
     /// Samples behind the fit, per source.
     pub sources: Vec<SourceStats>,
+    /// The last regime change the detector found in this model.
+    pub last_change_point: Option<ChangePoint>,
 }
 
 /// A fitted transfer model.
@@ -125,6 +129,9 @@ pub struct Explain {
     /// Current unclamped break-even, tokens (`None` without a model or when
     /// READing never wins).
     pub break_even_tokens: Option<f64>,
+    /// Standard error of the break-even relative to it (delta method from
+    /// the fits' covariances); sets the hysteresis band.
+    pub break_even_se_rel: Option<f64>,
     /// Pair confidence (min of transfer and prefill).
     pub confidence: f64,
     /// Hysteresis band in use, relative.
@@ -268,7 +275,7 @@ impl CostModel {
         self.last_update = Some(now);
         let mut changes = Vec::new();
         for pair in self.pairs.values_mut() {
-            let est = pair_coefficients(&self.transfers, &self.prefills, &pair.spec).map(|c| estimate(c, cfg));
+            let est = pair_coefficients(&self.transfers, &self.prefills, &pair.spec).map(|(c, se, epoch)| estimate(c, se, epoch, cfg));
             if let Some(change) = pair.state.step(now, cfg, est) {
                 changes.push(PairChange {
                     prefill_engine_id: pair.spec.prefill_engine_id.clone(),
@@ -333,6 +340,7 @@ impl CostModel {
             state: p.state.state,
             estimate_tokens: est.map(|e| e.tokens),
             break_even_tokens: est.and_then(|e| e.raw_tokens.is_finite().then_some(e.raw_tokens)),
+            break_even_se_rel: est.and_then(|e| e.raw_tokens.is_finite().then_some(e.se_rel)),
             confidence: est.map_or(0.0, |e| e.coefficients.confidence),
             band_rel: p.state.band_rel,
             pending: p.state.pending.clone(),
@@ -355,6 +363,7 @@ fn summary<S: Sample>(m: &SampleModel<S>, f: &crate::fit::Fit, confidence: f64, 
         identified: f.identified,
         confidence,
         sources: m.source_stats(now),
+        last_change_point: m.last_change_point.clone(),
     }
 }
 
@@ -368,17 +377,25 @@ fn prefill_coefficients(m: &SampleModel<PrefillSample>) -> Option<PrefillCoeffic
     Some(PrefillCoefficients { p0_ms: b[0], ms_per_token: b[1], ms_per_token_ctx: b[2] })
 }
 
+/// Router-form coefficients of a pair and the standard error of its
+/// break-even, tokens.
 fn pair_coefficients(
     transfers: &BTreeMap<(String, Direction), SampleModel<TransferSample>>,
     prefills: &BTreeMap<String, SampleModel<PrefillSample>>,
     spec: &PairSpec,
-) -> Option<CostModelCoefficients> {
+) -> Option<(CostModelCoefficients, f64, (u64, u64))> {
     let xm = transfers.get(&(spec.decode_peer.clone(), Direction::Inbound))?;
     let pm = prefills.get(&spec.prefill_engine_id)?;
     let x = transfer_coefficients(xm)?;
     let p = prefill_coefficients(pm)?;
-    let conf = xm.fit.as_ref()?.confidence.min(pm.fit.as_ref()?.confidence);
-    Some(router_coefficients(&x, &p, &spec.shape, conf))
+    let (xf, pf) = (xm.fit.as_ref()?, pm.fit.as_ref()?);
+    let conf = xf.confidence.min(pf.confidence);
+    let c = router_coefficients(&x, &p, &spec.shape, conf);
+    let cov_x = router_xfer_cov(&xf.fit.cov, &spec.shape);
+    let pc = &pf.fit.cov;
+    let cov_p = [[pc[1][1], pc[1][2]], [pc[2][1], pc[2][2]]];
+    let se = break_even_se_tokens(&c, cov_x, cov_p);
+    Some((c, se, (xm.change_epoch, pm.change_epoch)))
 }
 
 impl fmt::Display for Explain {
@@ -396,7 +413,11 @@ impl fmt::Display for Explain {
         )?;
         writeln!(f, "threshold: {} tokens ({:?})", self.threshold_tokens, self.state)?;
         match (self.estimate_tokens, self.break_even_tokens) {
-            (Some(e), Some(b)) => writeln!(f, "estimate:  {e} tokens (break-even {b:.0})")?,
+            (Some(e), Some(b)) => writeln!(
+                f,
+                "estimate:  {e} tokens (break-even {b:.0} ± {:.1} %)",
+                self.break_even_se_rel.unwrap_or(0.0) * 100.0
+            )?,
             (Some(e), None) => writeln!(f, "estimate:  {e} tokens (READ never wins: clamped)")?,
             _ => writeln!(f, "estimate:  none (not enough samples)")?,
         }
@@ -417,6 +438,19 @@ impl fmt::Display for Explain {
                 c.xfer_fixed_ms, c.xfer_ms_per_token, c.prefill_ms_per_token, c.prefill_ms_per_token_ctx
             )?;
         }
+        let change_point = |f: &mut fmt::Formatter<'_>, s: &FitSummary| -> fmt::Result {
+            match &s.last_change_point {
+                Some(c) => writeln!(
+                    f,
+                    "           change detected {:.1} s ago ({}): dropped {} samples older than {:.1} s ago",
+                    secs_ago(c.detected_at),
+                    if c.slower { "slower" } else { "faster" },
+                    c.dropped,
+                    secs_ago(c.since)
+                ),
+                None => Ok(()),
+            }
+        };
         let sources = |s: &FitSummary| {
             s.sources
                 .iter()
@@ -448,6 +482,7 @@ impl fmt::Display for Explain {
                 t.summary.rejected
             )?;
             writeln!(f, "           samples: {}", sources(&t.summary))?;
+            change_point(f, &t.summary)?;
         }
         if let Some(p) = &self.prefill {
             let c = &p.coefficients;
@@ -463,6 +498,7 @@ impl fmt::Display for Explain {
                 p.summary.rejected
             )?;
             writeln!(f, "           samples: {}", sources(&p.summary))?;
+            change_point(f, &p.summary)?;
         }
         writeln!(f, "history (oldest first):")?;
         if self.history.is_empty() {
@@ -486,6 +522,11 @@ impl fmt::Display for Explain {
                         detail
                     ),
                     crate::threshold::ChangeReason::PathInvalidated { detail } => format!("path invalidated: {detail}"),
+                    crate::threshold::ChangeReason::Refined { from_se_rel, to_se_rel } => format!(
+                        "refined: standard error ±{:.1} % → ±{:.1} %",
+                        from_se_rel * 100.0,
+                        to_se_rel * 100.0
+                    ),
                 }
             )?;
         }

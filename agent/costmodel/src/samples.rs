@@ -173,39 +173,78 @@ pub struct SourceStats {
     pub oldest_age_ms: f64,
 }
 
+/// A regime change found by the change detector of a model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChangePoint {
+    /// When the detector fired (injected clock).
+    pub detected_at: Instant,
+    /// Start of the run of shifted samples; older samples were dropped.
+    pub since: Instant,
+    /// `true` when the samples became slower than the model (costs rose).
+    pub slower: bool,
+    /// Samples dropped.
+    pub dropped: usize,
+}
+
 /// Result of one model's fit: coefficients (their meaning depends on the
 /// model), quality and confidence.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct ModelFit {
     pub fit: Fit,
-    /// Per coefficient: fixed at the last good value (true) or the config
-    /// prior (false) when not identified.
-    pub from_last_good: [bool; K],
     pub confidence: f64,
-    pub newest: Instant,
 }
 
 /// Per-coefficient confidence penalty when a coefficient is fixed at the
 /// config prior (at a last good value the penalty is halved).
 pub(crate) type Penalty = [f64; K];
 
+/// Clip of the standardized residual fed to the change detector: one gross
+/// outlier adds at most `CUSUM_CLIP - slack`.
+const CUSUM_CLIP: f64 = 3.0;
+
+/// Two-sided CUSUM of standardized relative residuals of new samples against
+/// the current fit (Page's test): `S⁺ = max(0, S⁺ + z − k)`,
+/// `S⁻ = max(0, S⁻ − z − k)`, alarm when either exceeds `h`.
+#[derive(Clone, Debug, Default)]
+struct Cusum {
+    pos: f64,
+    neg: f64,
+    pos_since: Option<Instant>,
+    neg_since: Option<Instant>,
+}
+
 /// Window of samples of one model, and its latest fit.
 #[derive(Clone, Debug)]
 pub(crate) struct SampleModel<S: Sample> {
     pub samples: VecDeque<S>,
+    /// Samples pushed since the last refit, not yet seen by the detector.
+    unchecked: Vec<S>,
+    cusum: Cusum,
     pub last_good: [Option<f64>; K],
     pub fit: Option<ModelFit>,
+    pub last_change_point: Option<ChangePoint>,
+    /// Number of change points found so far.
+    pub change_epoch: u64,
 }
 
 impl<S: Sample> Default for SampleModel<S> {
     fn default() -> Self {
-        SampleModel { samples: VecDeque::new(), last_good: [None; K], fit: None }
+        SampleModel {
+            samples: VecDeque::new(),
+            unchecked: Vec::new(),
+            cusum: Cusum::default(),
+            last_good: [None; K],
+            fit: None,
+            last_change_point: None,
+            change_epoch: 0,
+        }
     }
 }
 
 impl<S: Sample> SampleModel<S> {
     pub fn push(&mut self, s: S, cfg: &CostModelConfig) {
         self.samples.push_back(s);
+        self.unchecked.push(s);
         while self.samples.len() > cfg.max_samples_per_model {
             self.samples.pop_front();
         }
@@ -213,16 +252,71 @@ impl<S: Sample> SampleModel<S> {
 
     pub fn clear(&mut self) {
         self.samples.clear();
+        self.unchecked.clear();
+        self.cusum = Cusum::default();
         self.fit = None;
     }
 
-    /// Drops samples older than `max_sample_age_ms` or whose decay weight is
-    /// below 1e-4 (about 13 half-lives: they no longer move the fit).
+    /// Drops samples older than `max_sample_age_ms` (against `now`) or whose
+    /// decay weight relative to the newest sample is below 1e-4 (about 13
+    /// half-lives: they no longer move the fit). A model without new samples
+    /// keeps its window, so it ages (confidence falls) rather than vanishing,
+    /// until `max_sample_age_ms`.
     fn prune(&mut self, now: Instant, half_life: Duration, cfg: &CostModelConfig) {
-        let max_age = Duration::from_millis(cfg.max_sample_age_ms).min(half_life.saturating_mul(13));
-        // Samples arrive roughly in time order; drop from the front while too old,
-        // then filter any straggler.
-        self.samples.retain(|s| now.saturating_duration_since(s.at()) <= max_age);
+        let max_age = Duration::from_millis(cfg.max_sample_age_ms);
+        let Some(newest) = self.samples.iter().map(|s| s.at()).max() else { return };
+        let max_spread = half_life.saturating_mul(13);
+        self.samples.retain(|s| {
+            now.saturating_duration_since(s.at()) <= max_age && newest.saturating_duration_since(s.at()) <= max_spread
+        });
+    }
+
+    /// Feeds the samples that arrived since the last refit to the change
+    /// detector; on an alarm drops the samples older than the shifted run.
+    fn detect_change(&mut self, now: Instant, cfg: &CostModelConfig) -> bool {
+        let unchecked = std::mem::take(&mut self.unchecked);
+        let Some(mf) = &self.fit else { return false };
+        if mf.fit.n_eff < cfg.confidence_half_samples {
+            return false;
+        }
+        let beta = mf.fit.beta;
+        let sigma = mf.fit.sigma_rel.max(1e-3);
+        let k = cfg.change_detect_slack;
+        let mut alarm: Option<(Instant, bool)> = None;
+        let mut sorted = unchecked;
+        sorted.sort_by_key(|s| s.at());
+        for s in &sorted {
+            let (x, y) = s.row();
+            let yhat: f64 = beta.iter().zip(&x).map(|(b, x)| b * x).sum::<f64>().max(1e-6);
+            let z = ((y - yhat) / yhat / sigma).clamp(-CUSUM_CLIP, CUSUM_CLIP);
+            let c = &mut self.cusum;
+            if c.pos == 0.0 {
+                c.pos_since = Some(s.at());
+            }
+            if c.neg == 0.0 {
+                c.neg_since = Some(s.at());
+            }
+            c.pos = (c.pos + z - k).max(0.0);
+            c.neg = (c.neg - z - k).max(0.0);
+            if c.pos > cfg.change_detect_threshold {
+                alarm = Some((c.pos_since.unwrap_or(s.at()), true));
+                break;
+            }
+            if c.neg > cfg.change_detect_threshold {
+                alarm = Some((c.neg_since.unwrap_or(s.at()), false));
+                break;
+            }
+        }
+        if let Some((since, slower)) = alarm {
+            let before = self.samples.len();
+            self.samples.retain(|s| s.at() >= since);
+            self.cusum = Cusum::default();
+            self.last_change_point =
+                Some(ChangePoint { detected_at: now, since, slower, dropped: before - self.samples.len() });
+            self.change_epoch += 1;
+            return true;
+        }
+        false
     }
 
     /// Refits at `now`. `config_prior` holds the priors from the config;
@@ -235,18 +329,24 @@ impl<S: Sample> SampleModel<S> {
         config_prior: [f64; K],
         penalty: Penalty,
     ) {
+        let changed = self.detect_change(now, cfg);
+        let warm = if changed { None } else { self.fit.as_ref().map(|m| m.fit.beta) };
         self.prune(now, half_life, cfg);
         if self.samples.len() < cfg.min_samples {
             self.fit = None;
             return;
         }
+        let newest = self.samples.iter().map(|s| s.at()).max().unwrap_or(now);
         let hl = half_life.as_secs_f64();
         let rows: Vec<Row> = self
             .samples
             .iter()
             .map(|s| {
                 let (x, y) = s.row();
-                let age = now.saturating_duration_since(s.at()).as_secs_f64();
+                // Ages relative to the newest sample: the same fit as ages
+                // relative to `now` (a common factor), without underflow when
+                // a model has had no sample for a long time.
+                let age = newest.saturating_duration_since(s.at()).as_secs_f64();
                 let sw = match s.source() {
                     SampleSource::Ebpf => cfg.source_weights.ebpf,
                     SampleSource::Userspace => cfg.source_weights.userspace,
@@ -264,15 +364,14 @@ impl<S: Sample> SampleModel<S> {
             }
         }
         let params = FitParams { prior, min_pivot: cfg.min_pivot, min_sigma: 0.01, floor_y: 1e-6 };
-        let Some(f) = fit::robust_fit(&rows, &params) else {
+        let Some(f) = fit::robust_fit(&rows, &params, warm) else {
             self.fit = None;
             return;
         };
-        let newest = self.samples.iter().map(|s| s.at()).max().unwrap_or(now);
         // Confidence = count × staleness × identifiability × noise.
         let count = f.n_eff / (f.n_eff + cfg.confidence_half_samples);
-        let age_s = now.saturating_duration_since(newest).as_secs_f64();
-        let stale = (-(age_s * 1e3 / cfg.staleness_half_life_ms as f64) * std::f64::consts::LN_2).exp();
+        let age_ms = now.saturating_duration_since(newest).as_secs_f64() * 1e3;
+        let stale = (-(age_ms / cfg.staleness_half_life_ms as f64) * std::f64::consts::LN_2).exp();
         let mut ident = 1.0;
         for j in 0..K {
             if !f.identified[j] {
@@ -286,7 +385,7 @@ impl<S: Sample> SampleModel<S> {
                 self.last_good[j] = Some(f.beta[j]);
             }
         }
-        self.fit = Some(ModelFit { fit: f, from_last_good, confidence, newest });
+        self.fit = Some(ModelFit { fit: f, confidence });
     }
 
     pub fn source_stats(&self, now: Instant) -> Vec<SourceStats> {

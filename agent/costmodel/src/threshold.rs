@@ -8,14 +8,27 @@
 //!   measurements put it at 2k–9k tokens), so waiting only costs.
 //! - Afterwards the threshold moves only when the estimate stays outside
 //!   `published × (1 ± band)` (and at least `min_step_tokens` away), on the
-//!   same side, for `dwell_ms`. The band is `band_rel / confidence`, capped at
-//!   `max_band_rel`: weak evidence needs a larger disagreement to move it.
+//!   same side, for `dwell_ms`. The band is
+//!   `max(band_rel, band_sigmas × se_rel) / confidence`, capped at
+//!   `max_band_rel`, where `se_rel` is the break-even's relative standard
+//!   error (delta method from the fits' covariances): a break-even that is
+//!   ill-conditioned (per-token READ cost close to per-token recompute cost)
+//!   or fitted from few samples needs a larger disagreement to move.
 //! - When confidence falls below `min_confidence` (samples few or old) the
 //!   threshold **holds its last good value** rather than falling back to the
 //!   static 64: the last good value was measured on this pair, 64 never was,
 //!   and a stale threshold errs by the drift since then while 64 errs by the
 //!   whole break-even. The low confidence is exported with the coefficients
 //!   and the push's `valid_for_ms` bounds how long a router trusts it.
+//! - Refinement: when the estimate's standard error has fallen by
+//!   `refine_se_factor` since the published value was set and the estimate
+//!   differs by more than `max(refine_min_rel, 2 × se)`, the threshold moves to it at
+//!   once. An early estimate from few samples is thus corrected as evidence
+//!   accumulates; the error can only fall by that factor a few times, so this
+//!   cannot flap. A regime change found by a model's change detector (which
+//!   already required a persistent shift) resets the published value's
+//!   precision, so the threshold follows the new regime as soon as its fit
+//!   is confident, then refines.
 //! - A path invalidated by the network state (link down) publishes
 //!   `max_threshold_tokens` (recompute) at once; its samples are dropped, and
 //!   the next confident estimate is published at once, like a first one.
@@ -47,6 +60,14 @@ pub enum ChangeReason {
     /// First estimate with enough confidence (replacing the static default or
     /// the invalidated value).
     FirstEstimate,
+    /// The estimate became at least twice as precise as the published one
+    /// (standard error halved) and differs from it by more than `band_rel`.
+    Refined {
+        /// Relative standard error of the published value before.
+        from_se_rel: f64,
+        /// Relative standard error of the new value.
+        to_se_rel: f64,
+    },
     /// The estimate stayed outside the hysteresis band for the dwell time.
     OutsideBand {
         /// Band used, relative.
@@ -112,6 +133,10 @@ pub struct PendingMove {
 pub(crate) struct Estimate {
     pub coefficients: CostModelCoefficients,
     pub raw_tokens: f64,
+    /// Standard error of `raw_tokens`, relative.
+    pub se_rel: f64,
+    /// Change epochs of the (transfer, prefill) models behind it.
+    pub epoch: (u64, u64),
     pub tokens: u64,
 }
 
@@ -125,6 +150,10 @@ pub(crate) struct PairThresholdState {
     pub history: VecDeque<ThresholdChange>,
     pub last_estimate: Option<Estimate>,
     pub band_rel: f64,
+    /// Relative standard error of the estimate the published value came from.
+    pub published_se_rel: f64,
+    /// Change epochs of the models when the value was published.
+    pub published_epoch: (u64, u64),
 }
 
 fn pct(old: f64, new: f64) -> String {
@@ -193,6 +222,8 @@ impl PairThresholdState {
             history: VecDeque::new(),
             last_estimate: None,
             band_rel: cfg.band_rel,
+            published_se_rel: 1.0,
+            published_epoch: (0, 0),
         }
     }
 
@@ -212,6 +243,7 @@ impl PairThresholdState {
         self.pending = None;
         self.last_estimate = None;
         self.published_coefficients = None;
+        self.published_se_rel = 1.0;
         (from != cfg.max_threshold_tokens).then(|| {
             self.record(
                 cfg,
@@ -239,7 +271,8 @@ impl PairThresholdState {
             return None;
         };
         let conf = est.coefficients.confidence;
-        self.band_rel = (cfg.band_rel / conf.max(1e-6)).clamp(cfg.band_rel, cfg.max_band_rel);
+        self.band_rel =
+            (cfg.band_rel.max(cfg.band_sigmas * est.se_rel) / conf.max(1e-6)).clamp(cfg.band_rel, cfg.max_band_rel);
         if conf < cfg.min_confidence {
             self.pending = None;
             if self.state == ThresholdState::Estimated {
@@ -253,6 +286,7 @@ impl PairThresholdState {
                 self.state = ThresholdState::Estimated;
                 self.pending = None;
                 self.published_coefficients = Some(est.coefficients.clone());
+                self.published_se_rel = est.se_rel;
                 let from = self.published;
                 return (from != est.tokens).then(|| {
                     self.record(
@@ -272,30 +306,57 @@ impl PairThresholdState {
                 self.state = ThresholdState::Estimated;
             }
         }
+        // A regime change detected in one of the pair's models makes the
+        // published value's precision moot: let the new regime refine it.
+        if est.epoch != self.published_epoch {
+            self.published_epoch = est.epoch;
+            self.published_se_rel = 1.0;
+        }
         let p = self.published as f64;
         let e = est.tokens as f64;
         let far = est.tokens.abs_diff(self.published) >= cfg.min_step_tokens;
         let upward = e > p * (1.0 + self.band_rel);
         let downward = e < p * (1.0 - self.band_rel);
-        if !(far && (upward || downward)) {
+        let outside = far && (upward || downward);
+        let refine = far
+            && est.se_rel * cfg.refine_se_factor <= self.published_se_rel
+            && (e - p).abs() > p * cfg.refine_min_rel.max(2.0 * est.se_rel);
+        if !outside {
             self.pending = None;
+        }
+        if !(outside || refine) {
             return None;
         }
-        let since = match &self.pending {
-            Some(pm) if pm.upward == upward => pm.since,
-            _ => now,
+        let outside_for = if outside {
+            let since = match &self.pending {
+                Some(pm) if pm.upward == upward => pm.since,
+                _ => now,
+            };
+            self.pending = Some(PendingMove { since, upward, estimate_tokens: est.tokens });
+            now.saturating_duration_since(since)
+        } else {
+            Duration::ZERO
         };
-        self.pending = Some(PendingMove { since, upward, estimate_tokens: est.tokens });
-        let outside_for = now.saturating_duration_since(since);
-        if outside_for < Duration::from_millis(cfg.dwell_ms) {
+        if !refine && outside_for < Duration::from_millis(cfg.dwell_ms) {
             return None;
         }
         let (cause, detail) = match &self.published_coefficients {
             Some(old) => attribute(old, &est.coefficients),
             None => (CauseKind::TransferPerTokenCost, "no earlier model".to_string()),
         };
+        let reason = if outside {
+            ChangeReason::OutsideBand {
+                band_rel: self.band_rel,
+                outside_for_ms: outside_for.as_secs_f64() * 1e3,
+                cause,
+                detail,
+            }
+        } else {
+            ChangeReason::Refined { from_se_rel: self.published_se_rel, to_se_rel: est.se_rel }
+        };
         self.pending = None;
         self.published_coefficients = Some(est.coefficients.clone());
+        self.published_se_rel = est.se_rel;
         let from = self.published;
         Some(self.record(
             cfg,
@@ -305,21 +366,19 @@ impl PairThresholdState {
                 to_tokens: est.tokens,
                 break_even_tokens: raw,
                 confidence: conf,
-                reason: ChangeReason::OutsideBand {
-                    band_rel: self.band_rel,
-                    outside_for_ms: outside_for.as_secs_f64() * 1e3,
-                    cause,
-                    detail,
-                },
+                reason,
             },
         ))
     }
 }
 
 /// Builds an [`Estimate`] from router-form coefficients, clamped to the config bounds.
-pub(crate) fn estimate(c: CostModelCoefficients, cfg: &CostModelConfig) -> Estimate {
+pub(crate) fn estimate(c: CostModelCoefficients, se_tokens: f64, epoch: (u64, u64), cfg: &CostModelConfig) -> Estimate {
     let raw = break_even_tokens(&c);
+    let se_rel = if raw.is_finite() && raw > 0.0 { (se_tokens / raw).min(1.0) } else { 0.0 };
     Estimate {
+        se_rel,
+        epoch,
         tokens: clamp_threshold(raw, cfg.min_threshold_tokens, cfg.max_threshold_tokens),
         raw_tokens: raw,
         coefficients: c,
