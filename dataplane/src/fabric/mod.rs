@@ -124,6 +124,8 @@ pub(crate) struct Endpoint {
     pub(crate) av: *mut sys::fid_av,
     pub(crate) cq: *mut sys::fid_cq,
     pub(crate) ep: *mut sys::fid_ep,
+    /// CQ wait fd (`FI_WAIT_FD`), when the provider has one.
+    pub(crate) wait_fd: Option<i32>,
     pub(crate) provider: String,
     pub(crate) mr_mode: u64,
     pub(crate) limits: Limits,
@@ -189,6 +191,7 @@ impl Endpoint {
             av: ptr::null_mut(),
             cq: ptr::null_mut(),
             ep: ptr::null_mut(),
+            wait_fd: None,
             // SAFETY: accessors on a valid fi_info.
             provider: unsafe { CStr::from_ptr(sys::kvl_info_prov_name(info)) }
                 .to_string_lossy()
@@ -429,6 +432,14 @@ impl Endpoint {
         0
     }
 
+    /// Whether it is safe to block on [`Endpoint::wait_fd`] now
+    /// (`fi_trywait`: no completion or progress pending).
+    pub(crate) fn try_wait(&self) -> bool {
+        let mut fid: *mut sys::fid = unsafe { &mut (*self.cq).fid };
+        // SAFETY: one valid fid of ours.
+        unsafe { sys::fi_trywait(self.fabric, &mut fid, 1) == 0 }
+    }
+
     /// Posts one vectored READ. Returns the raw libfabric code (0, -FI_EAGAIN, ...).
     ///
     /// # Safety
@@ -537,7 +548,27 @@ struct Shared {
     next_read: AtomicU64,
     stop: AtomicBool,
     progress_thread: Mutex<Option<std::thread::Thread>>,
+    /// eventfd that posters write to wake a progress thread blocked in poll(2).
+    waker: i32,
     cfg: FabricConfig,
+}
+
+impl Shared {
+    fn wake(&self) {
+        if let Some(t) = self.progress_thread.lock().unwrap().as_ref() {
+            t.unpark();
+        }
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.waker, &one as *const u64 as *const c_void, 8) };
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: closing our eventfd once.
+        unsafe { libc::close(self.waker) };
+    }
 }
 
 /// The libfabric transfer backend.
@@ -566,6 +597,7 @@ impl FabricBackend {
             tx_size = ep.limits.tx_size,
             iovs_per_read = ep.limits.iovs_per_read,
             max_msg_bytes = ep.limits.max_msg_bytes,
+            wait_fd = ep.wait_fd.is_some(),
             "libfabric endpoint open"
         );
         let shared = Arc::new(Shared {
@@ -577,6 +609,8 @@ impl FabricBackend {
             next_read: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             progress_thread: Mutex::new(None),
+            // SAFETY: plain syscall.
+            waker: unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) },
             cfg,
         });
         let s2 = shared.clone();
@@ -656,9 +690,36 @@ fn progress_loop(s: &Shared) {
             std::hint::spin_loop();
             continue;
         }
-        // Idle: park (posting unparks), backing off from idle_sleep_us to
-        // idle_sleep_max_us while nothing happens. Serving-side progress
-        // (remote READs of our memory) happens on each wake-up.
+        // Idle. With a CQ wait fd: block in poll(2) on it and on the waker
+        // eventfd (posting writes it), so remote READs served from our
+        // memory are progressed as soon as they arrive. Without one: park
+        // (posting unparks), backing off from idle_sleep_us to
+        // idle_sleep_max_us; serving-side progress happens on each wake-up.
+        if let Some(fd) = s.ep.wait_fd {
+            if s.ep.try_wait() {
+                let mut fds = [
+                    libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                    libc::pollfd {
+                        fd: s.waker,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                ];
+                // SAFETY: polling two fds we own; bounded timeout so `stop` is seen.
+                unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+                if fds[1].revents != 0 {
+                    let mut v: u64 = 0;
+                    // SAFETY: draining our eventfd.
+                    unsafe { libc::read(s.waker, &mut v as *mut u64 as *mut c_void, 8) };
+                }
+                last_activity = Instant::now();
+            }
+            continue;
+        }
         std::thread::park_timeout(sleep);
         if last_activity.elapsed() > Duration::from_millis(10) {
             sleep = (sleep * 2).min(max_sleep);
@@ -840,9 +901,7 @@ impl TransferBackend for FabricBackend {
                     s.ep.post(fi_addr, &local, &mut descs, &rma, ctx as *mut c_void)
                 };
                 if r == -(sys::FI_EAGAIN as isize) && Instant::now() < deadline {
-                    if let Some(t) = s.progress_thread.lock().unwrap().as_ref() {
-                        t.unpark();
-                    }
+                    s.wake();
                     std::thread::yield_now();
                     continue;
                 }
@@ -874,9 +933,7 @@ impl TransferBackend for FabricBackend {
                 break;
             }
         }
-        if let Some(t) = s.progress_thread.lock().unwrap().as_ref() {
-            t.unpark();
-        }
+        s.wake();
     }
 }
 
@@ -884,7 +941,7 @@ impl Drop for FabricBackend {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
-            t.thread().unpark();
+            self.shared.wake();
             let _ = t.join();
         }
         // Fail whatever is still pending: the endpoint is going away.

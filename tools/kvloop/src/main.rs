@@ -1,1 +1,54 @@
-fn main() {}
+//! `kvloop`: operator and debugging CLI.
+mod bench;
+mod node;
+
+use kvloop_cli::engine_args;
+
+use clap::{Parser, Subcommand};
+
+/// kvloop: KV-cache transfers between prefill and decode nodes.
+#[derive(Parser)]
+#[command(name = "kvloop", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one transfer engine driven by JSON-line commands on stdin.
+    Node(engine_args::EngineArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// READ throughput/latency vs raw libfabric and memcpy.
+    Read(bench::BenchReadArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    // NIXL/UCX read their environment at start-up: set it before any thread.
+    // SAFETY: single-threaded here.
+    unsafe { kvloop_dataplane::nixl::prepare_env(&kvloop_dataplane::nixl::default_lib_dir()) };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Node(a) => node::run(a).await,
+            Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
+        }
+    })
+}

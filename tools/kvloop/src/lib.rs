@@ -1,0 +1,7 @@
+//! Library part of the `kvloop` CLI: pieces shared with end-to-end tests and
+//! demos (child `kvloop node` processes, network-namespace "nodes",
+//! deterministic block patterns).
+pub mod child;
+pub mod engine_args;
+pub mod netns;
+pub mod pattern;

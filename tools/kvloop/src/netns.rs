@@ -1,0 +1,136 @@
+//! Two "nodes" on one machine: a pair of network namespaces joined by a veth
+//! pair, with addresses in a private /24 that only exists inside them. Made
+//! with `ip` (iproute2); removed on drop. Needs root (CAP_NET_ADMIN).
+use std::net::Ipv4Addr;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// A pair of namespaces `a` and `b` joined by a veth; `a` has `addr_a`, `b` `addr_b`.
+pub struct NodePair {
+    /// Namespace of node A.
+    pub ns_a: String,
+    /// Namespace of node B.
+    pub ns_b: String,
+    /// Address of node A (inside `ns_a`).
+    pub addr_a: Ipv4Addr,
+    /// Address of node B (inside `ns_b`).
+    pub addr_b: Ipv4Addr,
+    /// veth device inside `ns_a`.
+    pub dev_a: String,
+    /// veth device inside `ns_b`.
+    pub dev_b: String,
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running `ip` (install iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+impl NodePair {
+    /// Creates namespaces `kvl<tag>a` / `kvl<tag>b` with a veth pair and
+    /// addresses `10.<x>.<y>.1/24` / `.2/24` derived from `tag`, loopback up.
+    ///
+    /// # Errors
+    /// When not root or iproute2 fails (the message names the command).
+    pub fn create(tag: u32) -> Result<Self> {
+        if unsafe { libc::geteuid() } != 0 {
+            bail!("network namespaces need root (CAP_NET_ADMIN)");
+        }
+        let ns_a = format!("kvl{tag}a");
+        let ns_b = format!("kvl{tag}b");
+        let (x, y) = (200 + (tag / 250) % 50, tag % 250);
+        let addr_a = Ipv4Addr::new(10, x as u8, y as u8, 1);
+        let addr_b = Ipv4Addr::new(10, x as u8, y as u8, 2);
+        let dev_a = format!("kva{tag}");
+        let dev_b = format!("kvb{tag}");
+        // Leftovers of an earlier run with the same tag.
+        let _ = ip(&["netns", "del", &ns_a]);
+        let _ = ip(&["netns", "del", &ns_b]);
+        let pair = Self {
+            ns_a,
+            ns_b,
+            addr_a,
+            addr_b,
+            dev_a,
+            dev_b,
+        };
+        ip(&["netns", "add", &pair.ns_a])?;
+        ip(&["netns", "add", &pair.ns_b])?;
+        ip(&[
+            "link",
+            "add",
+            &pair.dev_a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &pair.dev_b,
+        ])?;
+        ip(&["link", "set", &pair.dev_a, "netns", &pair.ns_a])?;
+        ip(&["link", "set", &pair.dev_b, "netns", &pair.ns_b])?;
+        for (ns, dev, addr) in [
+            (&pair.ns_a, &pair.dev_a, addr_a),
+            (&pair.ns_b, &pair.dev_b, addr_b),
+        ] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(pair)
+    }
+
+    /// `ip netns exec <ns> <program> <args>` as a command to spawn.
+    pub fn command_in(ns: &str, program: &std::path::Path) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]).arg(program);
+        c
+    }
+
+    /// Limits the rate of B's egress (what A READs from B) with `tc tbf`.
+    ///
+    /// # Errors
+    /// When `tc` fails.
+    pub fn limit_rate_b(&self, rate: &str) -> Result<()> {
+        let out = Command::new("tc")
+            .args([
+                "-n",
+                &self.ns_b,
+                "qdisc",
+                "replace",
+                "dev",
+                &self.dev_b,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+            ])
+            .args(["burst", "256kb", "latency", "100ms"])
+            .output()
+            .context("running `tc`")?;
+        if !out.status.success() {
+            bail!(
+                "tc tbf {rate}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NodePair {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.ns_a]);
+        let _ = ip(&["netns", "del", &self.ns_b]);
+    }
+}
