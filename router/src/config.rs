@@ -150,10 +150,16 @@ impl RouterConfig {
             });
         }
         if self.store_capacity == 0 {
-            return Err(ConfigError::Invalid { field: "store_capacity", message: "expected a positive integer" });
+            return Err(ConfigError::Invalid {
+                field: "store_capacity",
+                message: "expected a positive integer",
+            });
         }
         if self.tenant_header.is_empty() {
-            return Err(ConfigError::Invalid { field: "tenant_header", message: "expected a header name" });
+            return Err(ConfigError::Invalid {
+                field: "tenant_header",
+                message: "expected a header name",
+            });
         }
         Ok(())
     }

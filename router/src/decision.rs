@@ -26,8 +26,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for metric pre-registration.
-    pub const ALL: [Reason; 5] =
-        [Reason::Pulled, Reason::RecomputedBelowThreshold, Reason::Expired, Reason::PrefixMismatch, Reason::NoEntry];
+    pub const ALL: [Reason; 5] = [
+        Reason::Pulled,
+        Reason::RecomputedBelowThreshold,
+        Reason::Expired,
+        Reason::PrefixMismatch,
+        Reason::NoEntry,
+    ];
 
     /// Metric label value.
     pub fn as_str(self) -> &'static str {
@@ -73,7 +78,12 @@ pub fn decide(
     thresholds: &ThresholdTable,
     now_ms: u64,
 ) -> Decision {
-    let none = |reason| Decision { reason, reused_tokens: 0, attach: None, decode_engine_id: None };
+    let none = |reason| Decision {
+        reason,
+        reused_tokens: 0,
+        attach: None,
+        decode_engine_id: None,
+    };
     let turn = match lookup {
         Lookup::Missing => return none(Reason::NoEntry),
         Lookup::Expired => return none(Reason::Expired),
@@ -85,11 +95,15 @@ pub fn decide(
     let held = u64::from(turn.remote_num_tokens);
     let mut out = none(Reason::PrefixMismatch);
     out.decode_engine_id = Some(d.engine_id.clone());
-    if check_prefix(&turn.fingerprint, held, prompt.tokens, prompt.history) != PrefixCheck::Extends {
+    if check_prefix(&turn.fingerprint, held, prompt.tokens, prompt.history) != PrefixCheck::Extends
+    {
         return out;
     }
     let reusable = prompt.tokens.map_or(held, |t| held.min(t.len() as u64));
-    if !thresholds.effective(prefill_engine_id, &d.engine_id, now_ms).should_pull(reusable) {
+    if !thresholds
+        .effective(prefill_engine_id, &d.engine_id, now_ms)
+        .should_pull(reusable)
+    {
         out.reason = Reason::RecomputedBelowThreshold;
         return out;
     }
@@ -117,20 +131,29 @@ mod tests {
     }
 
     fn turn(prev_prompt: &[u32], held: u32) -> StoredTurn {
-        let p = KvParams::parse(&json!({"remote_engine_id": "d0", "remote_request_id": "r", "remote_block_ids": [[1,2]],
-            "remote_port": 2, "remote_host": "somewhere", "remote_num_tokens": held}))
+        let p = KvParams::parse(
+            &json!({"remote_engine_id": "d0", "remote_request_id": "r", "remote_block_ids": [[1,2]],
+            "remote_port": 2, "remote_host": "somewhere", "remote_num_tokens": held}),
+        )
         .unwrap();
         StoredTurn {
             params: p.compact(),
             decode_engine: 1,
             remote_num_tokens: held,
-            fingerprint: Fingerprint { tokens_len: prev_prompt.len() as u32, tokens_hash: hash_tokens(prev_prompt), ..Default::default() },
+            fingerprint: Fingerprint {
+                tokens_len: prev_prompt.len() as u32,
+                tokens_hash: hash_tokens(prev_prompt),
+                ..Default::default()
+            },
             expires_at_ms: 10_000,
         }
     }
 
     fn run(lookup: Lookup, tokens: &[u32], t: &ThresholdTable) -> Decision {
-        let p = PromptInfo { tokens: Some(tokens), history: History::None };
+        let p = PromptInfo {
+            tokens: Some(tokens),
+            history: History::None,
+        };
         decide(lookup, &p, "p0", &registry(), t, 0)
     }
 
@@ -150,12 +173,21 @@ mod tests {
         // edited history
         let mut edited = next.clone();
         edited[3] = 999;
-        assert_eq!(run(Lookup::Found(turn(&prev, 150)), &edited, &t).reason, Reason::PrefixMismatch);
+        assert_eq!(
+            run(Lookup::Found(turn(&prev, 150)), &edited, &t).reason,
+            Reason::PrefixMismatch
+        );
         // prompt shorter than remote_num_tokens
-        assert_eq!(run(Lookup::Found(turn(&prev, 150)), &next[..120], &t).reason, Reason::PrefixMismatch);
+        assert_eq!(
+            run(Lookup::Found(turn(&prev, 150)), &next[..120], &t).reason,
+            Reason::PrefixMismatch
+        );
         // below threshold
         let short: Vec<u32> = (0..10).collect();
         let d = run(Lookup::Found(turn(&short, 12)), &next, &t);
-        assert_eq!((d.reason, d.reused_tokens, d.attach), (Reason::RecomputedBelowThreshold, 0, None));
+        assert_eq!(
+            (d.reason, d.reused_tokens, d.attach),
+            (Reason::RecomputedBelowThreshold, 0, None)
+        );
     }
 }

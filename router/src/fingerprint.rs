@@ -38,7 +38,10 @@ pub struct HistoryHasher {
 
 impl Default for HistoryHasher {
     fn default() -> Self {
-        Self { h: Xxh3::new(), len: 0 }
+        Self {
+            h: Xxh3::new(),
+            len: 0,
+        }
     }
 }
 
@@ -135,7 +138,12 @@ pub enum PrefixCheck {
 }
 
 /// Compare a new prompt against a stored fingerprint.
-pub fn check_prefix(fp: &Fingerprint, remote_num_tokens: u64, tokens: Option<&[u32]>, history: History<'_>) -> PrefixCheck {
+pub fn check_prefix(
+    fp: &Fingerprint,
+    remote_num_tokens: u64,
+    tokens: Option<&[u32]>,
+    history: History<'_>,
+) -> PrefixCheck {
     let mut compared = false;
     if let Some(t) = tokens {
         if (t.len() as u64) < remote_num_tokens {
@@ -155,7 +163,11 @@ pub fn check_prefix(fp: &Fingerprint, remote_num_tokens: u64, tokens: Option<&[u
             _ => return PrefixCheck::Mismatch,
         }
     }
-    if compared { PrefixCheck::Extends } else { PrefixCheck::Unverifiable }
+    if compared {
+        PrefixCheck::Extends
+    } else {
+        PrefixCheck::Unverifiable
+    }
 }
 
 #[cfg(test)]
@@ -165,34 +177,63 @@ mod tests {
 
     #[test]
     fn chat_history_with_answer_matches_next_turn() {
-        let turn1 = vec![json!({"role": "user", "content": "hi"})];
+        let turn1 = [json!({"role": "user", "content": "hi"})];
         let mut h = HistoryHasher::default();
         turn1.iter().for_each(|m| h.message(m));
         // the answer arrives in streamed pieces
         let mut h2 = h.clone();
         h2.assistant("hello there");
         let (len, hash) = h2.finish();
-        let fp = Fingerprint { history_len: len, history_hash: hash, ..Default::default() };
+        let fp = Fingerprint {
+            history_len: len,
+            history_hash: hash,
+            ..Default::default()
+        };
         let turn2 = vec![
             json!({"role": "user", "content": "hi"}),
             json!({"role": "assistant", "content": "hello there"}),
             json!({"role": "user", "content": "more"}),
         ];
-        assert_eq!(check_prefix(&fp, 0, None, History::Chat(&turn2)), PrefixCheck::Extends);
+        assert_eq!(
+            check_prefix(&fp, 0, None, History::Chat(&turn2)),
+            PrefixCheck::Extends
+        );
         let mut edited = turn2.clone();
         edited[0]["content"] = json!("HI");
-        assert_eq!(check_prefix(&fp, 0, None, History::Chat(&edited)), PrefixCheck::Mismatch);
-        assert_eq!(check_prefix(&fp, 0, None, History::Chat(&turn2[..1])), PrefixCheck::Mismatch);
+        assert_eq!(
+            check_prefix(&fp, 0, None, History::Chat(&edited)),
+            PrefixCheck::Mismatch
+        );
+        assert_eq!(
+            check_prefix(&fp, 0, None, History::Chat(&turn2[..1])),
+            PrefixCheck::Mismatch
+        );
     }
 
     #[test]
     fn tokens_must_extend_and_not_be_shorter() {
         let t1 = [1u32, 2, 3];
-        let fp = Fingerprint { tokens_len: 3, tokens_hash: hash_tokens(&t1), ..Default::default() };
-        assert_eq!(check_prefix(&fp, 4, Some(&[1, 2, 3, 9, 9]), History::None), PrefixCheck::Extends);
-        assert_eq!(check_prefix(&fp, 4, Some(&[1, 2, 4, 9, 9]), History::None), PrefixCheck::Mismatch);
-        assert_eq!(check_prefix(&fp, 6, Some(&[1, 2, 3, 9, 9]), History::None), PrefixCheck::Shorter);
-        assert_eq!(check_prefix(&Fingerprint::default(), 0, Some(&[1]), History::None), PrefixCheck::Unverifiable);
+        let fp = Fingerprint {
+            tokens_len: 3,
+            tokens_hash: hash_tokens(&t1),
+            ..Default::default()
+        };
+        assert_eq!(
+            check_prefix(&fp, 4, Some(&[1, 2, 3, 9, 9]), History::None),
+            PrefixCheck::Extends
+        );
+        assert_eq!(
+            check_prefix(&fp, 4, Some(&[1, 2, 4, 9, 9]), History::None),
+            PrefixCheck::Mismatch
+        );
+        assert_eq!(
+            check_prefix(&fp, 6, Some(&[1, 2, 3, 9, 9]), History::None),
+            PrefixCheck::Shorter
+        );
+        assert_eq!(
+            check_prefix(&Fingerprint::default(), 0, Some(&[1]), History::None),
+            PrefixCheck::Unverifiable
+        );
     }
 
     #[test]
@@ -201,8 +242,18 @@ mod tests {
         h.text("once upon");
         h.text(" a time");
         let (len, hash) = h.finish();
-        let fp = Fingerprint { history_len: len, history_hash: hash, ..Default::default() };
-        assert_eq!(check_prefix(&fp, 0, None, History::Text("once upon a time, more")), PrefixCheck::Extends);
-        assert_eq!(check_prefix(&fp, 0, None, History::Text("once upon a tim")), PrefixCheck::Mismatch);
+        let fp = Fingerprint {
+            history_len: len,
+            history_hash: hash,
+            ..Default::default()
+        };
+        assert_eq!(
+            check_prefix(&fp, 0, None, History::Text("once upon a time, more")),
+            PrefixCheck::Extends
+        );
+        assert_eq!(
+            check_prefix(&fp, 0, None, History::Text("once upon a tim")),
+            PrefixCheck::Mismatch
+        );
     }
 }

@@ -24,6 +24,8 @@ pub mod thresholds;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
+
 pub use config::RouterConfig;
 pub use server::{AppState, Clock, ManualClock, MonotonicClock};
 
@@ -64,11 +66,20 @@ pub async fn start(cfg: RouterConfig, clock: Box<dyn Clock>) -> anyhow::Result<R
     let app = server::app(state.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
+        let _ = axum::serve(
+            listener.tap_io(|t| {
+                let _ = t.set_nodelay(true);
+            }),
+            app,
+        )
+        .with_graceful_shutdown(async move {
+            let _ = rx.await;
+        })
+        .await;
     });
-    Ok(RunningRouter { addr, state, shutdown: Some(tx) })
+    Ok(RunningRouter {
+        addr,
+        state,
+        shutdown: Some(tx),
+    })
 }

@@ -12,7 +12,10 @@ use kvloop_router::{MonotonicClock, RouterConfig, start};
 use tracing::info;
 
 #[derive(Parser)]
-#[command(name = "kvloop-router", about = "KV-cache-aware P/D router (vLLM-compatible)")]
+#[command(
+    name = "kvloop-router",
+    about = "KV-cache-aware P/D router (vLLM-compatible)"
+)]
 struct Cli {
     /// TOML config file (see the `config` module docs); without it, defaults and no engines.
     #[arg(long, env = "KVLOOP_ROUTER_CONFIG")]
@@ -40,13 +43,16 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let mut cfg = match &cli.config {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             RouterConfig::from_toml(&text).with_context(|| format!("in {}", p.display()))?
         }
         None => RouterConfig::default(),

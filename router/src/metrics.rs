@@ -82,33 +82,73 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kvloop_router");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Client requests by endpoint and outcome", requests.clone());
+        registry.register(
+            "requests",
+            "Client requests by endpoint and outcome",
+            requests.clone(),
+        );
         // 100 µs .. ~3.3 s
         let ttft_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
-        registry.register("ttft_seconds", "Time to first token as seen by the router", ttft_seconds.clone());
+        registry.register(
+            "ttft_seconds",
+            "Time to first token as seen by the router",
+            ttft_seconds.clone(),
+        );
         let decisions = Family::<ReasonLabel, Counter>::default();
         for r in crate::decision::Reason::ALL {
             let _ = decisions.get_or_create(&ReasonLabel { reason: r.as_str() });
         }
         registry.register("decisions", "Reuse decisions by reason", decisions.clone());
         let store_entries = Gauge::default();
-        registry.register("store_entries", "Conversations stored", store_entries.clone());
+        registry.register(
+            "store_entries",
+            "Conversations stored",
+            store_entries.clone(),
+        );
         let evictions = Family::<CauseLabel, Counter>::default();
         let _ = evictions.get_or_create(&CauseLabel { cause: "lru" });
         let _ = evictions.get_or_create(&CauseLabel { cause: "expired" });
-        registry.register("store_evictions", "Stored conversations dropped by LRU bound or TTL", evictions.clone());
+        registry.register(
+            "store_evictions",
+            "Stored conversations dropped by LRU bound or TTL",
+            evictions.clone(),
+        );
         let store_skipped = Family::<ReasonLabel, Counter>::default();
-        registry.register("store_skipped", "Finished turns whose D params were not stored", store_skipped.clone());
+        registry.register(
+            "store_skipped",
+            "Finished turns whose D params were not stored",
+            store_skipped.clone(),
+        );
         let prefill_retries = Counter::default();
-        registry.register("prefill_retries", "Prefill requests retried without D's params", prefill_retries.clone());
+        registry.register(
+            "prefill_retries",
+            "Prefill requests retried without D's params",
+            prefill_retries.clone(),
+        );
         let params_rejected = Family::<ReasonLabel, Counter>::default();
-        registry.register("params_rejected", "Engine kv_transfer_params rejected", params_rejected.clone());
+        registry.register(
+            "params_rejected",
+            "Engine kv_transfer_params rejected",
+            params_rejected.clone(),
+        );
         let prefix_check_mode = Family::<ModeLabel, Gauge>::default();
-        registry.register("prefix_check_mode", "Prefix safety check in force (1)", prefix_check_mode.clone());
+        registry.register(
+            "prefix_check_mode",
+            "Prefix safety check in force (1)",
+            prefix_check_mode.clone(),
+        );
         let engine_healthy = Family::<EngineLabel, Gauge>::default();
-        registry.register("engine_healthy", "Engine health (1 healthy)", engine_healthy.clone());
+        registry.register(
+            "engine_healthy",
+            "Engine health (1 healthy)",
+            engine_healthy.clone(),
+        );
         let threshold_pushes = Family::<ReasonLabel, Counter>::default();
-        registry.register("threshold_pushes", "Threshold pushes by outcome", threshold_pushes.clone());
+        registry.register(
+            "threshold_pushes",
+            "Threshold pushes by outcome",
+            threshold_pushes.clone(),
+        );
         Self {
             registry,
             requests,
@@ -128,7 +168,8 @@ impl Metrics {
     /// OpenMetrics text.
     pub fn encode(&self) -> String {
         let mut s = String::new();
-        prometheus_client::encoding::text::encode(&mut s, &self.registry).expect("writing to a String");
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+            .expect("writing to a String");
         s
     }
 }

@@ -42,7 +42,9 @@ impl BlockIds {
     }
     fn to_value(&self) -> Value {
         match self {
-            BlockIds::Grouped(g) => Value::Array(g.iter().map(|x| Value::from(x.clone())).collect()),
+            BlockIds::Grouped(g) => {
+                Value::Array(g.iter().map(|x| Value::from(x.clone())).collect())
+            }
             BlockIds::Flat(f) => Value::from(f.clone()),
         }
     }
@@ -95,15 +97,26 @@ impl KvParams {
                     for g in a {
                         let g = g.as_array().expect("checked");
                         let ids: Option<Vec<u32>> = g.iter().map(block_id).collect();
-                        groups.push(ids.ok_or(err("remote_block_ids", "block ids as integers in 0..=4294967295"))?);
+                        groups.push(ids.ok_or(err(
+                            "remote_block_ids",
+                            "block ids as integers in 0..=4294967295",
+                        ))?);
                     }
                     BlockIds::Grouped(groups)
                 } else {
                     let ids: Option<Vec<u32>> = a.iter().map(block_id).collect();
-                    BlockIds::Flat(ids.ok_or(err("remote_block_ids", "block ids as integers in 0..=4294967295"))?)
+                    BlockIds::Flat(ids.ok_or(err(
+                        "remote_block_ids",
+                        "block ids as integers in 0..=4294967295",
+                    ))?)
                 }
             }
-            _ => return Err(err("remote_block_ids", "a non-empty array of block ids or of arrays of block ids")),
+            _ => {
+                return Err(err(
+                    "remote_block_ids",
+                    "a non-empty array of block ids or of arrays of block ids",
+                ));
+            }
         };
         if block_ids.is_empty() {
             return Err(err("remote_block_ids", "at least one block id"));
@@ -123,14 +136,21 @@ impl KvParams {
         }
         let num_tokens = match obj.get("remote_num_tokens") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(v.as_u64().ok_or(err("remote_num_tokens", "a non-negative integer"))?),
+            Some(v) => Some(
+                v.as_u64()
+                    .ok_or(err("remote_num_tokens", "a non-negative integer"))?,
+            ),
         };
         for f in ["do_remote_decode", "do_remote_prefill"] {
             match obj.get(f) {
                 None | Some(Value::Null) | Some(Value::Bool(_)) => {}
                 _ => {
                     return Err(err(
-                        if f == "do_remote_decode" { "do_remote_decode" } else { "do_remote_prefill" },
+                        if f == "do_remote_decode" {
+                            "do_remote_decode"
+                        } else {
+                            "do_remote_prefill"
+                        },
                         "a boolean",
                     ));
                 }
@@ -147,12 +167,22 @@ impl KvParams {
         }
         let mut rest = obj.clone();
         rest.remove("remote_block_ids");
-        Ok(Self { rest, block_ids, engine_id, num_tokens })
+        Ok(Self {
+            rest,
+            block_ids,
+            engine_id,
+            num_tokens,
+        })
     }
 
     /// The object to send to the next engine, with `remote_host` replaced by
     /// `host` (already bracketed for IPv6) and the direction flags set.
-    pub fn to_request_value(&self, host: &str, do_remote_decode: bool, do_remote_prefill: bool) -> Value {
+    pub fn to_request_value(
+        &self,
+        host: &str,
+        do_remote_decode: bool,
+        do_remote_prefill: bool,
+    ) -> Value {
         let mut m = self.rest.clone();
         m.insert("remote_block_ids".into(), self.block_ids.to_value());
         m.insert("remote_host".into(), Value::String(host.to_string()));
@@ -183,7 +213,8 @@ impl KvParams {
             while i < g.len() {
                 let start = g[i];
                 let mut len = 1u32;
-                while i + (len as usize) < g.len() && g[i + len as usize] == start.wrapping_add(len) {
+                while i + (len as usize) < g.len() && g[i + len as usize] == start.wrapping_add(len)
+                {
                     len += 1;
                 }
                 runs.push(start);
@@ -196,7 +227,9 @@ impl KvParams {
         CompactParams {
             runs: runs.into_boxed_slice(),
             flat,
-            rest: serde_json::to_string(&Value::Object(rest)).expect("serializable").into_boxed_str(),
+            rest: serde_json::to_string(&Value::Object(rest))
+                .expect("serializable")
+                .into_boxed_str(),
         }
     }
 }
@@ -263,7 +296,11 @@ pub fn no_reuse_prefill_params() -> Value {
 
 /// Bracket an IPv6 literal (`::1` → `[::1]`); other hosts unchanged.
 pub fn bracket_host(host: &str) -> String {
-    if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_string() }
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
 }
 
 #[cfg(test)]
@@ -296,7 +333,10 @@ mod tests {
         let mut v = d_params();
         v["remote_block_ids"] = json!([1, 2, 3]);
         let p = KvParams::parse(&v).unwrap();
-        assert_eq!(p.compact().expand("d0", 1, "h")["remote_block_ids"], json!([1, 2, 3]));
+        assert_eq!(
+            p.compact().expand("d0", 1, "h")["remote_block_ids"],
+            json!([1, 2, 3])
+        );
     }
 
     #[test]
@@ -314,7 +354,10 @@ mod tests {
             v[field] = bad;
             let e = KvParams::parse(&v).unwrap_err();
             assert_eq!(e.field, field, "{e}");
-            assert!(e.to_string().starts_with(&format!("kv_transfer_params.{field}: expected")));
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("kv_transfer_params.{field}: expected"))
+            );
         }
         assert_eq!(KvParams::parse(&json!([1])).unwrap_err().field, ".");
     }

@@ -50,7 +50,13 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// An entry with tp size 1 and block size 16.
-    pub fn new(engine_id: &str, role: Role, http_url: &str, side_channel_host: &str, side_channel_port: u16) -> Self {
+    pub fn new(
+        engine_id: &str,
+        role: Role,
+        http_url: &str,
+        side_channel_host: &str,
+        side_channel_port: u16,
+    ) -> Self {
         Self {
             engine_id: engine_id.into(),
             role,
@@ -127,7 +133,11 @@ impl Registry {
         }
         let mut r = Registry::default();
         for (index, e) in cfg.into_iter().enumerate() {
-            let bad = |field, message| RegistryError::Invalid { index, field, message };
+            let bad = |field, message| RegistryError::Invalid {
+                index,
+                field,
+                message,
+            };
             if e.engine_id.is_empty() {
                 return Err(bad("engine_id", "expected a non-empty string"));
             }
@@ -135,7 +145,10 @@ impl Registry {
                 return Err(bad("http_url", "expected an http:// URL"));
             }
             if e.side_channel_host.is_empty() {
-                return Err(bad("side_channel_host", "expected a host name or IP literal"));
+                return Err(bad(
+                    "side_channel_host",
+                    "expected a host name or IP literal",
+                ));
             }
             if e.tp_size == 0 {
                 return Err(bad("tp_size", "expected a positive integer"));
@@ -144,7 +157,10 @@ impl Registry {
                 return Err(bad("block_size_tokens", "expected a positive integer"));
             }
             if r.by_id.insert(e.engine_id.clone(), index as u16).is_some() {
-                return Err(RegistryError::Duplicate { index, id: e.engine_id });
+                return Err(RegistryError::Duplicate {
+                    index,
+                    id: e.engine_id,
+                });
             }
             r.engines.push(Engine {
                 side_channel_host: bracket_host(&e.side_channel_host),
@@ -176,7 +192,9 @@ impl Registry {
 
     /// Indices of the engines with `role`.
     pub fn with_role(&self, role: Role) -> Vec<u16> {
-        (0..self.engines.len() as u16).filter(|&i| self.engines[i as usize].role == role).collect()
+        (0..self.engines.len() as u16)
+            .filter(|&i| self.engines[i as usize].role == role)
+            .collect()
     }
 }
 
@@ -186,7 +204,14 @@ mod tests {
 
     #[test]
     fn rejects_duplicates_and_brackets_ipv6() {
-        let r = Registry::new(vec![EngineConfig::new("d0", Role::Decode, "http://[::1]:9/", "::1", 5)]).unwrap();
+        let r = Registry::new(vec![EngineConfig::new(
+            "d0",
+            Role::Decode,
+            "http://[::1]:9/",
+            "::1",
+            5,
+        )])
+        .unwrap();
         assert_eq!(r.get(0).unwrap().side_channel_host, "[::1]");
         assert_eq!(r.get(0).unwrap().http_url, "http://[::1]:9");
         let e = Registry::new(vec![
@@ -194,6 +219,12 @@ mod tests {
             EngineConfig::new("d0", Role::Decode, "http://a:1", "a", 5),
         ])
         .unwrap_err();
-        assert_eq!(e, RegistryError::Duplicate { index: 1, id: "d0".into() });
+        assert_eq!(
+            e,
+            RegistryError::Duplicate {
+                index: 1,
+                id: "d0".into()
+            }
+        );
     }
 }

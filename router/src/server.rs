@@ -122,10 +122,19 @@ impl AppState {
             .build()?;
         let metrics = Metrics::new();
         for e in registry.engines() {
-            metrics.engine_healthy.get_or_create(&EngineLabel { engine_id: e.engine_id.clone() }).set(1);
+            metrics
+                .engine_healthy
+                .get_or_create(&EngineLabel {
+                    engine_id: e.engine_id.clone(),
+                })
+                .set(1);
         }
         let state = AppState {
-            healthy: registry.engines().iter().map(|_| AtomicBool::new(true)).collect(),
+            healthy: registry
+                .engines()
+                .iter()
+                .map(|_| AtomicBool::new(true))
+                .collect(),
             prefill_idx: registry.with_role(Role::Prefill),
             decode_idx: registry.with_role(Role::Decode),
             store: Mutex::new(ConversationStore::new(
@@ -150,7 +159,9 @@ impl AppState {
     /// The prefix check in force: `tokens` while the engine's `/tokenize`
     /// works (and configured), else `history`.
     pub fn prefix_check_in_force(&self) -> PrefixCheckMode {
-        if self.cfg.prefix_check == PrefixCheckMode::Tokens && self.tokenize_ok.load(Ordering::Relaxed) {
+        if self.cfg.prefix_check == PrefixCheckMode::Tokens
+            && self.tokenize_ok.load(Ordering::Relaxed)
+        {
             PrefixCheckMode::Tokens
         } else {
             PrefixCheckMode::History
@@ -162,7 +173,9 @@ impl AppState {
         for mode in [PrefixCheckMode::Tokens, PrefixCheckMode::History] {
             self.metrics
                 .prefix_check_mode
-                .get_or_create(&ModeLabel { mode: mode.as_str() })
+                .get_or_create(&ModeLabel {
+                    mode: mode.as_str(),
+                })
                 .set(i64::from(mode == m));
         }
     }
@@ -192,7 +205,9 @@ impl AppState {
             return None;
         }
         let start = rr.fetch_add(1, Ordering::Relaxed);
-        (0..idx.len()).map(|k| idx[(start + k) % idx.len()]).find(|&i| self.healthy[i as usize].load(Ordering::Relaxed))
+        (0..idx.len())
+            .map(|k| idx[(start + k) % idx.len()])
+            .find(|&i| self.healthy[i as usize].load(Ordering::Relaxed))
     }
 
     /// Drop expired store entries now.
@@ -203,7 +218,10 @@ impl AppState {
             (s.sweep_expired(now), s.len())
         };
         if n > 0 {
-            self.metrics.evictions.get_or_create(&CauseLabel { cause: "expired" }).inc_by(n);
+            self.metrics
+                .evictions
+                .get_or_create(&CauseLabel { cause: "expired" })
+                .inc_by(n);
         }
         self.metrics.store_entries.set(len as i64);
     }
@@ -226,7 +244,12 @@ impl AppState {
                     warn!(engine = %e.engine_id, "engine unhealthy");
                 }
             }
-            self.metrics.engine_healthy.get_or_create(&EngineLabel { engine_id: e.engine_id.clone() }).set(i64::from(ok));
+            self.metrics
+                .engine_healthy
+                .get_or_create(&EngineLabel {
+                    engine_id: e.engine_id.clone(),
+                })
+                .set(i64::from(ok));
         }
     }
 }
@@ -284,15 +307,27 @@ impl Api {
 
 fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
     let message = message.into();
-    let kind = if status.is_client_error() { "invalid_request_error" } else { "upstream_error" };
-    (status, Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}}))).into_response()
+    let kind = if status.is_client_error() {
+        "invalid_request_error"
+    } else {
+        "upstream_error"
+    };
+    (
+        status,
+        Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}})),
+    )
+        .into_response()
 }
 
 async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     route(s, Api::Completions, headers, body).await
 }
 
-async fn chat_completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     route(s, Api::Chat, headers, body).await
 }
 
@@ -301,7 +336,13 @@ async fn route(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes) -> R
         Ok(r) => ("ok", r),
         Err((outcome, r)) => (outcome, r),
     };
-    s.metrics.requests.get_or_create(&RequestLabels { endpoint: api.label(), outcome }).inc();
+    s.metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            endpoint: api.label(),
+            outcome,
+        })
+        .inc();
     resp
 }
 
@@ -316,7 +357,12 @@ struct PromptFacts {
     tokens: Option<Vec<u32>>,
 }
 
-async fn tokenize(s: &AppState, url: &str, api: Api, body: &Map<String, Value>) -> Option<Vec<u32>> {
+async fn tokenize(
+    s: &AppState,
+    url: &str,
+    api: Api,
+    body: &Map<String, Value>,
+) -> Option<Vec<u32>> {
     let mut req = Map::new();
     if let Some(m) = body.get("model") {
         req.insert("model".into(), m.clone());
@@ -326,7 +372,14 @@ async fn tokenize(s: &AppState, url: &str, api: Api, body: &Map<String, Value>) 
             req.insert("prompt".into(), body.get("prompt")?.clone());
         }
         Api::Chat => {
-            for k in ["messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"] {
+            for k in [
+                "messages",
+                "tools",
+                "chat_template",
+                "chat_template_kwargs",
+                "add_generation_prompt",
+                "continue_final_message",
+            ] {
                 if let Some(v) = body.get(k) {
                     req.insert(k.into(), v.clone());
                 }
@@ -342,7 +395,11 @@ async fn tokenize(s: &AppState, url: &str, api: Api, body: &Map<String, Value>) 
         .await;
     let tokens = match r {
         Ok(r) if r.status().is_success() => r.json::<Value>().await.ok().and_then(|v| {
-            v.get("tokens")?.as_array()?.iter().map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok())).collect::<Option<Vec<u32>>>()
+            v.get("tokens")?
+                .as_array()?
+                .iter()
+                .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
+                .collect::<Option<Vec<u32>>>()
         }),
         Ok(r) => {
             debug!(status = %r.status(), "tokenize failed");
@@ -377,7 +434,9 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         }
     }
     match api {
-        Api::Completions if !body.contains_key("prompt") => return Err(client_err("prompt: required")),
+        Api::Completions if !body.contains_key("prompt") => {
+            return Err(client_err("prompt: required"));
+        }
         Api::Chat if !body.get("messages").is_some_and(Value::is_array) => {
             return Err(client_err("messages: expected an array of messages"));
         }
@@ -385,7 +444,10 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     }
     let conversation_id = match body.remove("conversation_id") {
         Some(Value::String(c)) => Some(c),
-        Some(Value::Null) | None => headers.get("x-session-id").and_then(|v| v.to_str().ok()).map(str::to_string),
+        Some(Value::Null) | None => headers
+            .get("x-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
         Some(_) => return Err(client_err("conversation_id: expected a string")),
     };
     let tenant = headers
@@ -394,22 +456,41 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         .unwrap_or(&s.cfg.default_tenant)
         .to_string();
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let unavailable = |role: &str| ("unavailable", error_response(StatusCode::SERVICE_UNAVAILABLE, format!("no healthy {role} engine")));
-    let p_idx = s.pick(&s.prefill_idx, &s.rr_prefill).ok_or_else(|| unavailable("prefill"))?;
-    let d_idx = s.pick(&s.decode_idx, &s.rr_decode).ok_or_else(|| unavailable("decode"))?;
+    let unavailable = |role: &str| {
+        (
+            "unavailable",
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no healthy {role} engine"),
+            ),
+        )
+    };
+    let p_idx = s
+        .pick(&s.prefill_idx, &s.rr_prefill)
+        .ok_or_else(|| unavailable("prefill"))?;
+    let d_idx = s
+        .pick(&s.decode_idx, &s.rr_decode)
+        .ok_or_else(|| unavailable("decode"))?;
     let p = s.registry.get(p_idx).expect("index");
     let d = s.registry.get(d_idx).expect("index");
     let request_id = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
-        .unwrap_or_else(|| format!("kvloop-{}-{}", s.now_ms(), s.request_seq.fetch_add(1, Ordering::Relaxed)));
+        .unwrap_or_else(|| {
+            format!(
+                "kvloop-{}-{}",
+                s.now_ms(),
+                s.request_seq.fetch_add(1, Ordering::Relaxed)
+            )
+        });
 
     // What the router knows of the prompt.
     let prompt_token_ids: Option<Vec<u32>> = match (api, body.get("prompt")) {
-        (Api::Completions, Some(Value::Array(a))) if a.iter().all(Value::is_u64) => {
-            a.iter().map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
-        }
+        (Api::Completions, Some(Value::Array(a))) if a.iter().all(Value::is_u64) => a
+            .iter()
+            .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect(),
         _ => None,
     };
     let facts = PromptFacts {
@@ -441,10 +522,18 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     };
     let decision = {
         let th = s.thresholds.lock().unwrap();
-        let info = PromptInfo { tokens: facts.tokens.as_deref(), history };
+        let info = PromptInfo {
+            tokens: facts.tokens.as_deref(),
+            history,
+        };
         decide(lookup, &info, &p.engine_id, &s.registry, &th, now)
     };
-    s.metrics.decisions.get_or_create(&ReasonLabel { reason: decision.reason.as_str() }).inc();
+    s.metrics
+        .decisions
+        .get_or_create(&ReasonLabel {
+            reason: decision.reason.as_str(),
+        })
+        .inc();
     debug!(%request_id, reason = decision.reason.as_str(), reused = decision.reused_tokens, prefill = %p.engine_id, decode = %d.engine_id, "decision");
 
     // What to store after the turn.
@@ -459,7 +548,10 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
             state: s.clone(),
             key,
             decode_engine: d_idx,
-            tokens: facts.tokens.as_ref().map(|t| (t.len() as u32, hash_tokens(t))),
+            tokens: facts
+                .tokens
+                .as_ref()
+                .map(|t| (t.len() as u32, hash_tokens(t))),
             history: (!matches!(history, History::None)).then_some(hist),
             api,
         }
@@ -475,9 +567,24 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         p_body.remove(k);
     }
     let attached = decision.attach.is_some();
-    p_body.insert("kv_transfer_params".into(), decision.attach.clone().unwrap_or_else(no_reuse_prefill_params));
+    p_body.insert(
+        "kv_transfer_params".into(),
+        decision
+            .attach
+            .clone()
+            .unwrap_or_else(no_reuse_prefill_params),
+    );
     let n_prompt = facts.tokens.as_ref().map(Vec::len);
-    let mut p_resp = send_prefill(s, &p.http_url, api, &request_id, &p_body, n_prompt, decision.reused_tokens).await;
+    let mut p_resp = send_prefill(
+        s,
+        &p.http_url,
+        api,
+        &request_id,
+        &p_body,
+        n_prompt,
+        decision.reused_tokens,
+    )
+    .await;
     if p_resp.is_err() && attached {
         warn!(%request_id, prefill = %p.engine_id, error = %p_resp.as_ref().err().unwrap(), "prefill failed with D's params attached; retrying once without them");
         s.metrics.prefill_retries.inc();
@@ -486,7 +593,13 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     }
     let p_json = p_resp.map_err(|e| {
         warn!(%request_id, prefill = %p.engine_id, error = %e, "prefill failed");
-        ("prefill_error", error_response(StatusCode::BAD_GATEWAY, format!("prefill engine {}: {e}", p.engine_id)))
+        (
+            "prefill_error",
+            error_response(
+                StatusCode::BAD_GATEWAY,
+                format!("prefill engine {}: {e}", p.engine_id),
+            ),
+        )
     })?;
     let p_params = p_json.get("kv_transfer_params").filter(|v| !v.is_null()).ok_or_else(|| {
         s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "source_prefill" }).inc();
@@ -499,16 +612,39 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         )
     })?;
     let p_params = KvParams::parse(p_params).map_err(|e| {
-        s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "source_prefill" }).inc();
-        ("prefill_error", error_response(StatusCode::BAD_GATEWAY, format!("prefill engine {}: {e}", p.engine_id)))
+        s.metrics
+            .params_rejected
+            .get_or_create(&ReasonLabel {
+                reason: "source_prefill",
+            })
+            .inc();
+        (
+            "prefill_error",
+            error_response(
+                StatusCode::BAD_GATEWAY,
+                format!("prefill engine {}: {e}", p.engine_id),
+            ),
+        )
     })?;
-    let Some(emitter) = s.registry.index_of(&p_params.engine_id).and_then(|i| s.registry.get(i)) else {
-        s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "unknown_engine" }).inc();
+    let Some(emitter) = s
+        .registry
+        .index_of(&p_params.engine_id)
+        .and_then(|i| s.registry.get(i))
+    else {
+        s.metrics
+            .params_rejected
+            .get_or_create(&ReasonLabel {
+                reason: "unknown_engine",
+            })
+            .inc();
         return Err((
             "prefill_error",
             error_response(
                 StatusCode::BAD_GATEWAY,
-                format!("kv_transfer_params.remote_engine_id: engine {:?} is not in the registry", p_params.engine_id),
+                format!(
+                    "kv_transfer_params.remote_engine_id: engine {:?} is not in the registry",
+                    p_params.engine_id
+                ),
             ),
         ));
     };
@@ -524,16 +660,30 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         .header("x-request-id", &request_id)
         .header(header::CONTENT_TYPE, "application/json")
         .body(d_bytes);
-    let d_resp = match tokio::time::timeout(Duration::from_millis(s.cfg.decode_timeout_ms), d_req.send()).await {
+    let d_resp = match tokio::time::timeout(
+        Duration::from_millis(s.cfg.decode_timeout_ms),
+        d_req.send(),
+    )
+    .await
+    {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             warn!(%request_id, decode = %d.engine_id, error = %e, "decode failed; P's params are not resent to another decode engine");
-            return Err(("decode_error", error_response(StatusCode::BAD_GATEWAY, format!("decode engine {}: {e}", d.engine_id))));
+            return Err((
+                "decode_error",
+                error_response(
+                    StatusCode::BAD_GATEWAY,
+                    format!("decode engine {}: {e}", d.engine_id),
+                ),
+            ));
         }
         Err(_) => {
             return Err((
                 "decode_error",
-                error_response(StatusCode::GATEWAY_TIMEOUT, format!("decode engine {}: no response headers in time", d.engine_id)),
+                error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("decode engine {}: no response headers in time", d.engine_id),
+                ),
             ));
         }
     };
@@ -543,36 +693,50 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         warn!(%request_id, decode = %d.engine_id, %status, "decode failed; P's params are not resent to another decode engine");
         return Err((
             "decode_error",
-            error_response(StatusCode::BAD_GATEWAY, format!("decode engine {}: HTTP {status}: {text}", d.engine_id)),
+            error_response(
+                StatusCode::BAD_GATEWAY,
+                format!("decode engine {}: HTTP {status}: {text}", d.engine_id),
+            ),
         ));
     }
 
     let content_type = d_resp.headers().get(header::CONTENT_TYPE).cloned();
-    let mut builder = Response::builder().status(StatusCode::OK).header("x-request-id", &request_id);
+    let mut builder = Response::builder()
+        .status(StatusCode::OK)
+        .header("x-request-id", &request_id);
     if let Some(ct) = content_type {
         builder = builder.header(header::CONTENT_TYPE, ct);
     }
     if stream {
         let relay = Relay {
             inner: Box::pin(d_resp.bytes_stream()),
+            inspect: ctx.is_some(),
             inspector: StreamInspector::default(),
             ctx,
             t0,
             first: true,
             state: s.clone(),
         };
-        Ok(builder.body(Body::from_stream(relay)).expect("valid response"))
+        Ok(builder
+            .body(Body::from_stream(relay))
+            .expect("valid response"))
     } else {
         let bytes = d_resp.bytes().await.map_err(|e| {
-            ("decode_error", error_response(StatusCode::BAD_GATEWAY, format!("decode engine {}: {e}", d.engine_id)))
+            (
+                "decode_error",
+                error_response(
+                    StatusCode::BAD_GATEWAY,
+                    format!("decode engine {}: {e}", d.engine_id),
+                ),
+            )
         })?;
         s.metrics.ttft_seconds.observe(t0.elapsed().as_secs_f64());
-        let mut summary = ReplySummary::default();
-        match serde_json::from_slice::<Value>(&bytes) {
-            Ok(v) => summary.absorb(&v),
-            Err(e) => debug!(error = %e, "decode reply is not JSON"),
-        }
         if let Some(ctx) = ctx {
+            let mut summary = ReplySummary::default();
+            match serde_json::from_slice::<Value>(&bytes) {
+                Ok(v) => summary.absorb(&v),
+                Err(e) => debug!(error = %e, "decode reply is not JSON"),
+            }
             ctx.finish(&summary, false);
         }
         Ok(builder.body(Body::from(bytes)).expect("valid response"))
@@ -631,7 +795,11 @@ struct StoreCtx {
 
 impl StoreCtx {
     fn skip(&self, reason: &'static str) {
-        self.state.metrics.store_skipped.get_or_create(&ReasonLabel { reason }).inc();
+        self.state
+            .metrics
+            .store_skipped
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
     fn finish(self, summary: &ReplySummary, streamed: bool) {
@@ -654,18 +822,33 @@ impl StoreCtx {
             Ok(p) => p,
             Err(e) => {
                 warn!(error = %e, "decode engine returned malformed kv_transfer_params; not stored");
-                s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "source_decode" }).inc();
+                s.metrics
+                    .params_rejected
+                    .get_or_create(&ReasonLabel {
+                        reason: "source_decode",
+                    })
+                    .inc();
                 return;
             }
         };
         let Some(idx) = s.registry.index_of(&params.engine_id) else {
             warn!(engine = %params.engine_id, "kv_transfer_params from an unregistered engine; not stored");
-            s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "unknown_engine" }).inc();
+            s.metrics
+                .params_rejected
+                .get_or_create(&ReasonLabel {
+                    reason: "unknown_engine",
+                })
+                .inc();
             return;
         };
         if idx != self.decode_engine {
             warn!(engine = %params.engine_id, "kv_transfer_params name another engine than the decode engine that answered; not stored");
-            s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "source_decode" }).inc();
+            s.metrics
+                .params_rejected
+                .get_or_create(&ReasonLabel {
+                    reason: "source_decode",
+                })
+                .inc();
             return;
         }
         let Some(held) = params.num_tokens.and_then(|n| u32::try_from(n).ok()) else {
@@ -697,7 +880,10 @@ impl StoreCtx {
             (st.insert(self.key, turn, now), st.len())
         };
         if ev.lru > 0 {
-            s.metrics.evictions.get_or_create(&CauseLabel { cause: "lru" }).inc_by(ev.lru);
+            s.metrics
+                .evictions
+                .get_or_create(&CauseLabel { cause: "lru" })
+                .inc_by(ev.lru);
         }
         s.metrics.store_entries.set(len as i64);
     }
@@ -706,6 +892,8 @@ impl StoreCtx {
 /// Forwards D's SSE bytes unchanged as they arrive, inspecting them on the way.
 struct Relay {
     inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    /// Inspect the bytes (only when the turn may be stored).
+    inspect: bool,
     inspector: StreamInspector,
     ctx: Option<StoreCtx>,
     t0: Instant,
@@ -723,9 +911,14 @@ impl Stream for Relay {
             Poll::Ready(Some(Ok(b))) => {
                 if this.first {
                     this.first = false;
-                    this.state.metrics.ttft_seconds.observe(this.t0.elapsed().as_secs_f64());
+                    this.state
+                        .metrics
+                        .ttft_seconds
+                        .observe(this.t0.elapsed().as_secs_f64());
                 }
-                this.inspector.feed(&b);
+                if this.inspect {
+                    this.inspector.feed(&b);
+                }
                 Poll::Ready(Some(Ok(b)))
             }
             Poll::Ready(Some(Err(e))) => {
@@ -754,10 +947,20 @@ async fn models(State(s): State<Arc<AppState>>) -> Response {
             && r.status().is_success()
             && let Ok(b) = r.bytes().await
         {
-            return ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], b).into_response();
+            return (
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                )],
+                b,
+            )
+                .into_response();
         }
     }
-    error_response(StatusCode::SERVICE_UNAVAILABLE, "no healthy engine answered /v1/models")
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no healthy engine answered /v1/models",
+    )
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
@@ -771,7 +974,10 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
                    "healthy": s.healthy[i].load(Ordering::Relaxed)})
         })
         .collect();
-    let any = |idx: &[u16]| idx.iter().any(|&i| s.healthy[i as usize].load(Ordering::Relaxed));
+    let any = |idx: &[u16]| {
+        idx.iter()
+            .any(|&i| s.healthy[i as usize].load(Ordering::Relaxed))
+    };
     let ok = any(&s.prefill_idx) && any(&s.decode_idx);
     let body = json!({
         "status": if ok { "ok" } else { "degraded" },
@@ -781,13 +987,24 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
         "kv_recompute_threshold": s.cfg.kv_recompute_threshold,
         "engines": engines,
     });
-    (if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, Json(body)).into_response()
+    (
+        if ok {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        },
+        Json(body),
+    )
+        .into_response()
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     s.sweep();
     (
-        [(header::CONTENT_TYPE, HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"))],
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        )],
         s.metrics.encode(),
     )
         .into_response()
@@ -797,18 +1014,37 @@ fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
     if s.cfg.admin_token.is_empty() {
         return false;
     }
-    let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else { return false };
-    let Some(tok) = v.strip_prefix("Bearer ") else { return false };
+    let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some(tok) = v.strip_prefix("Bearer ") else {
+        return false;
+    };
     // constant-time comparison
     let (a, b) = (tok.as_bytes(), s.cfg.admin_token.as_bytes());
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn put_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let count = |reason| s.metrics.threshold_pushes.get_or_create(&ReasonLabel { reason }).inc();
+async fn put_thresholds(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let count = |reason| {
+        s.metrics
+            .threshold_pushes
+            .get_or_create(&ReasonLabel { reason })
+            .inc()
+    };
     if !authorized(&s, &headers) {
         count("unauthorized");
-        return error_response(StatusCode::UNAUTHORIZED, "Authorization: expected `Bearer <admin_token>`");
+        return error_response(
+            StatusCode::UNAUTHORIZED,
+            "Authorization: expected `Bearer <admin_token>`",
+        );
     }
     let u: ThresholdUpdate = match serde_json::from_slice(&body) {
         Ok(u) => u,
@@ -818,7 +1054,11 @@ async fn put_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap, body
         }
     };
     let now = s.now_ms();
-    let r = s.thresholds.lock().unwrap().apply(&u, now, |id| s.registry.index_of(id).is_some());
+    let r = s
+        .thresholds
+        .lock()
+        .unwrap()
+        .apply(&u, now, |id| s.registry.index_of(id).is_some());
     match r {
         Ok(ApplyOutcome::Applied(n)) => {
             count("applied");
@@ -839,7 +1079,10 @@ async fn put_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap, body
 
 async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if !authorized(&s, &headers) {
-        return error_response(StatusCode::UNAUTHORIZED, "Authorization: expected `Bearer <admin_token>`");
+        return error_response(
+            StatusCode::UNAUTHORIZED,
+            "Authorization: expected `Bearer <admin_token>`",
+        );
     }
     let now = s.now_ms();
     let th = s.thresholds.lock().unwrap();
@@ -851,5 +1094,6 @@ async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) -> R
                    "valid_for_ms_left": left, "agent_id": agent, "in_force": left > 0})
         })
         .collect();
-    Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs})).into_response()
+    Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs}))
+        .into_response()
 }

@@ -49,11 +49,17 @@ impl ReplySummary {
                 self.text.push_str(t);
             }
             for r in ["reasoning_content", "reasoning"] {
-                if d.get(r).and_then(Value::as_str).is_some_and(|s| !s.is_empty()) {
+                if d.get(r)
+                    .and_then(Value::as_str)
+                    .is_some_and(|s| !s.is_empty())
+                {
                     self.rewritable_output = true;
                 }
             }
-            if d.get("tool_calls").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+            if d.get("tool_calls")
+                .and_then(Value::as_array)
+                .is_some_and(|a| !a.is_empty())
+            {
                 self.rewritable_output = true;
             }
             if d.get("function_call").is_some_and(|f| !f.is_null()) {
@@ -113,7 +119,9 @@ impl StreamInspector {
 
     fn line(&mut self, line: &[u8]) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(data) = line.strip_prefix(b"data:") else { return };
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
         let data = data.strip_prefix(b" ").unwrap_or(data);
         if data == b"[DONE]" {
             self.summary.done = true;
@@ -146,7 +154,10 @@ mod tests {
             }
             s.finish();
             assert_eq!(s.summary.text, "hello");
-            assert_eq!(s.summary.kv_transfer_params.as_ref().unwrap()["remote_engine_id"], "d0");
+            assert_eq!(
+                s.summary.kv_transfer_params.as_ref().unwrap()["remote_engine_id"],
+                "d0"
+            );
             assert!(s.summary.storable(true));
         }
     }

@@ -26,7 +26,10 @@ pub struct ConvKey {
 impl ConvKey {
     /// Key for `tenant` / `conversation_id`.
     pub fn new(tenant: &str, conversation_id: &str) -> Self {
-        Self { tenant: tenant.into(), conversation_id: conversation_id.into() }
+        Self {
+            tenant: tenant.into(),
+            conversation_id: conversation_id.into(),
+        }
     }
     /// Heap bytes owned.
     pub fn heap_bytes(&self) -> usize {
@@ -78,7 +81,10 @@ pub struct ConversationStore {
 impl ConversationStore {
     /// A store holding at most `capacity` entries, each live for `ttl_ms`.
     pub fn new(capacity: NonZeroUsize, ttl_ms: u64) -> Self {
-        Self { map: LruCache::new(capacity), ttl_ms }
+        Self {
+            map: LruCache::new(capacity),
+            ttl_ms,
+        }
     }
 
     /// TTL of new entries, ms.
@@ -177,7 +183,10 @@ mod tests {
         let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
         s.insert(ConvKey::new("a", "c"), turn(), 0);
         assert_eq!(s.take(&ConvKey::new("b", "c"), 1), Lookup::Missing);
-        assert!(matches!(s.take(&ConvKey::new("a", "c"), 1), Lookup::Found(_)));
+        assert!(matches!(
+            s.take(&ConvKey::new("a", "c"), 1),
+            Lookup::Found(_)
+        ));
     }
 
     #[test]

@@ -102,7 +102,11 @@ pub struct ThresholdTable {
 impl ThresholdTable {
     /// An empty table falling back to `static_threshold_tokens`.
     pub fn new(static_threshold_tokens: u64) -> Self {
-        Self { static_threshold_tokens, pairs: HashMap::new(), last_seq: HashMap::new() }
+        Self {
+            static_threshold_tokens,
+            pairs: HashMap::new(),
+            last_seq: HashMap::new(),
+        }
     }
 
     /// Apply a push received at `now_ms`. `known_engine` says whether an
@@ -119,10 +123,16 @@ impl ThresholdTable {
         known_engine: impl Fn(&str) -> bool,
     ) -> Result<ApplyOutcome, ThresholdError> {
         if u.agent_id.is_empty() {
-            return Err(ThresholdError { field: "agent_id".into(), message: "expected a non-empty string".into() });
+            return Err(ThresholdError {
+                field: "agent_id".into(),
+                message: "expected a non-empty string".into(),
+            });
         }
         for (i, p) in u.pairs.iter().enumerate() {
-            for (name, id) in [("prefill_engine_id", &p.prefill_engine_id), ("decode_engine_id", &p.decode_engine_id)] {
+            for (name, id) in [
+                ("prefill_engine_id", &p.prefill_engine_id),
+                ("decode_engine_id", &p.decode_engine_id),
+            ] {
                 if !known_engine(id) {
                     return Err(ThresholdError {
                         field: format!("pairs[{i}].{name}"),
@@ -193,7 +203,15 @@ impl ThresholdTable {
         let mut v: Vec<_> = self
             .pairs
             .iter()
-            .map(|((p, d), e)| (p.clone(), d.clone(), e.threshold_tokens, e.valid_until_ms.saturating_sub(now_ms), e.agent_id.clone()))
+            .map(|((p, d), e)| {
+                (
+                    p.clone(),
+                    d.clone(),
+                    e.threshold_tokens,
+                    e.valid_until_ms.saturating_sub(now_ms),
+                    e.agent_id.clone(),
+                )
+            })
             .collect();
         v.sort();
         v
@@ -230,9 +248,15 @@ mod tests {
         assert_eq!(t.effective("p0", "d0", 0).threshold_tokens, 64);
         t.apply(&push("a", 1, 2048, 1000), 100, |_| true).unwrap();
         let e = t.effective("p0", "d0", 1099);
-        assert_eq!((e.threshold_tokens, e.source), (2048, ThresholdSource::Pushed));
+        assert_eq!(
+            (e.threshold_tokens, e.source),
+            (2048, ThresholdSource::Pushed)
+        );
         let e = t.effective("p0", "d0", 1100);
-        assert_eq!((e.threshold_tokens, e.source), (64, ThresholdSource::Static));
+        assert_eq!(
+            (e.threshold_tokens, e.source),
+            (64, ThresholdSource::Static)
+        );
         assert_eq!(t.effective("p0", "d1", 500).threshold_tokens, 64);
     }
 
@@ -240,17 +264,25 @@ mod tests {
     fn lower_seq_is_ignored() {
         let mut t = ThresholdTable::new(64);
         t.apply(&push("a", 5, 100, 1000), 0, |_| true).unwrap();
-        assert_eq!(t.apply(&push("a", 4, 9999, 1000), 0, |_| true).unwrap(), ApplyOutcome::StaleSeq { last_seq: 5 });
+        assert_eq!(
+            t.apply(&push("a", 4, 9999, 1000), 0, |_| true).unwrap(),
+            ApplyOutcome::StaleSeq { last_seq: 5 }
+        );
         assert_eq!(t.effective("p0", "d0", 1).threshold_tokens, 100);
         // another agent has its own sequence
-        assert_eq!(t.apply(&push("b", 1, 7, 1000), 0, |_| true).unwrap(), ApplyOutcome::Applied(1));
+        assert_eq!(
+            t.apply(&push("b", 1, 7, 1000), 0, |_| true).unwrap(),
+            ApplyOutcome::Applied(1)
+        );
         assert_eq!(t.effective("p0", "d0", 1).threshold_tokens, 7);
     }
 
     #[test]
     fn unknown_engine_is_named() {
         let mut t = ThresholdTable::new(64);
-        let e = t.apply(&push("a", 1, 1, 1), 0, |id| id == "p0").unwrap_err();
+        let e = t
+            .apply(&push("a", 1, 1, 1), 0, |id| id == "p0")
+            .unwrap_err();
         assert_eq!(e.field, "pairs[0].decode_engine_id");
     }
 
@@ -263,11 +295,21 @@ mod tests {
             prefill_ms_per_token_ctx: 0.0,
             confidence: 0.9,
         };
-        let e = Effective { threshold_tokens: 1, model: Some(m.clone()), source: ThresholdSource::Pushed };
+        let e = Effective {
+            threshold_tokens: 1,
+            model: Some(m.clone()),
+            source: ThresholdSource::Pushed,
+        };
         // break-even r* = 30 / (0.05 - 0.001) ≈ 612
         assert!(!e.should_pull(600));
         assert!(e.should_pull(700));
-        let low = Effective { model: Some(CostModelCoefficients { confidence: 0.1, ..m }), ..e };
+        let low = Effective {
+            model: Some(CostModelCoefficients {
+                confidence: 0.1,
+                ..m
+            }),
+            ..e
+        };
         assert!(low.should_pull(2));
     }
 }

@@ -35,13 +35,16 @@ fn arb_json() -> impl Strategy<Value = Value> {
         any::<bool>().prop_map(Value::Bool),
         any::<i64>().prop_map(Value::from),
         any::<u64>().prop_map(Value::from),
-        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(Value::from),
         ".{0,12}".prop_map(Value::String),
     ];
     leaf.prop_recursive(3, 24, 6, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-            prop::collection::btree_map(".{0,8}", inner, 0..6).prop_map(|m| Value::Object(m.into_iter().collect::<Map<_, _>>())),
+            prop::collection::btree_map(".{0,8}", inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect::<Map<_, _>>())),
         ]
     })
 }
@@ -82,22 +85,39 @@ proptest! {
 /// field, and the router keeps serving.
 #[test]
 fn router_answers_4xx_naming_the_field() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let c = Cluster::start(Opts::default()).await;
         let url = format!("{}/v1/completions", c.router.url());
-        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 200, ..ProptestConfig::default() });
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+            cases: 200,
+            ..ProptestConfig::default()
+        });
         let strat = (0..FIELDS.len(), arb_json());
         for _ in 0..200 {
             let (idx, bad) = strat.new_tree(&mut runner).unwrap().current();
             let field = FIELDS[idx];
             let mut p = valid();
             p[field] = bad;
-            let (st, body) = post(&c.http, &url, None, &json!({"prompt": "x", "kv_transfer_params": p}), false).await;
+            let (st, body) = post(
+                &c.http,
+                &url,
+                None,
+                &json!({"prompt": "x", "kv_transfer_params": p}),
+                false,
+            )
+            .await;
             assert_eq!(st, 400, "{body}");
             assert!(body.contains("kv_transfer_params"), "{body}");
             if KvParams::parse(&p).is_err() {
-                assert!(body.contains(&format!("kv_transfer_params.{field}")), "{field}: {body}");
+                assert!(
+                    body.contains(&format!("kv_transfer_params.{field}")),
+                    "{field}: {body}"
+                );
             }
         }
         let (st, _) = post(&c.http, &url, None, &json!({"prompt": "alive"}), false).await;

@@ -33,7 +33,10 @@ fn start(bin: &PathBuf, args: &[&str]) -> (Proc, Vec<(String, String)>) {
     let kv = line
         .split_whitespace()
         .skip(1)
-        .filter_map(|p| p.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .filter_map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
         .collect();
     (Proc(child), kv)
 }
@@ -45,7 +48,11 @@ fn engine_sim_bin() -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.args(["build", "-p", "kvloop-engine-sim"]);
-        if router.parent().and_then(|p| p.file_name()).is_some_and(|n| n == "release") {
+        if router
+            .parent()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n == "release")
+        {
             cmd.arg("--release");
         }
         let st = cmd.status().expect("cargo runs");
@@ -62,9 +69,34 @@ fn get<'a>(kv: &'a [(String, String)], k: &str) -> &'a str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_binaries_multi_turn() {
     let sim = engine_sim_bin();
-    let (_p, pkv) = start(&sim, &["--role", "prefill", "--engine-id", "p0", "--prefill-us-per-token", "1"]);
-    let (_d, dkv) = start(&sim, &["--role", "decode", "--engine-id", "d0", "--prefill-us-per-token", "1"]);
-    let side = |kv: &[(String, String)]| get(kv, "side_channel").rsplit_once(':').map(|(h, p)| (h.to_string(), p.to_string())).unwrap();
+    let (_p, pkv) = start(
+        &sim,
+        &[
+            "--role",
+            "prefill",
+            "--engine-id",
+            "p0",
+            "--prefill-us-per-token",
+            "1",
+        ],
+    );
+    let (_d, dkv) = start(
+        &sim,
+        &[
+            "--role",
+            "decode",
+            "--engine-id",
+            "d0",
+            "--prefill-us-per-token",
+            "1",
+        ],
+    );
+    let side = |kv: &[(String, String)]| {
+        get(kv, "side_channel")
+            .rsplit_once(':')
+            .map(|(h, p)| (h.to_string(), p.to_string()))
+            .unwrap()
+    };
     let (ph, pp) = side(&pkv);
     let (dh, dp) = side(&dkv);
     let cfg = format!(
@@ -99,8 +131,15 @@ side_channel_port = {dp}
 
     let mut messages = vec![user(&words(200, "w"))];
     for turn in 0..4 {
-        let body = json!({"model": "sim-model", "messages": messages, "stream": true, "max_tokens": 12});
-        let r = http.post(&url).header("x-session-id", "conv-proc").json(&body).send().await.unwrap();
+        let body =
+            json!({"model": "sim-model", "messages": messages, "stream": true, "max_tokens": 12});
+        let r = http
+            .post(&url)
+            .header("x-session-id", "conv-proc")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
         let text = r.text().await.unwrap();
         let answer: String = text
@@ -108,7 +147,11 @@ side_channel_port = {dp}
             .filter_map(|l| l.strip_prefix("data: "))
             .filter(|d| *d != "[DONE]")
             .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
             .collect();
         assert!(!answer.is_empty(), "turn {turn}: {text}");
         messages.push(assistant(&answer));
@@ -116,10 +159,23 @@ side_channel_port = {dp}
     }
     assert_eq!(metric(&http, &base, NO_ENTRY).await, 1.0);
     assert_eq!(metric(&http, &base, PULLED).await, 3.0);
-    let h: serde_json::Value = http.get(format!("{base}/health")).send().await.unwrap().json().await.unwrap();
+    let h: serde_json::Value = http
+        .get(format!("{base}/health"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(h["status"], "ok");
-    let stats: serde_json::Value =
-        http.get(format!("http://{}/sim/stats", get(&pkv, "http"))).send().await.unwrap().json().await.unwrap();
+    let stats: serde_json::Value = http
+        .get(format!("http://{}/sim/stats", get(&pkv, "http")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(stats["reads_ok"], 3);
     let _ = std::fs::remove_file(&path);
 }

@@ -21,16 +21,34 @@ async fn multi_turn_pulls_with_token_check_and_tokens_header() {
     let m2 = first_turn(&c, None, "conv-1", false).await;
     assert_eq!(c.metric(NO_ENTRY).await, 1.0);
     assert_eq!(c.metric("kvloop_router_store_entries").await, 1.0);
-    assert_eq!(c.p_stats(0).last_tokens_header.as_deref(), Some("prompt=102,reused=0"));
+    assert_eq!(
+        c.p_stats(0).last_tokens_header.as_deref(),
+        Some("prompt=102,reused=0")
+    );
     let (st, _) = c.chat(None, "conv-1", &m2, false, json!({})).await;
     assert_eq!(st, 200);
     assert_eq!(c.metric(PULLED).await, 1.0);
     // D held 102 prompt + 8 generated − 1 = 109 tokens; turn 2 has 132 tokens.
-    assert_eq!(c.p_stats(0).last_tokens_header.as_deref(), Some("prompt=132,reused=109"));
+    assert_eq!(
+        c.p_stats(0).last_tokens_header.as_deref(),
+        Some("prompt=132,reused=109")
+    );
     assert_eq!(c.p_stats(0).reads_ok, 1);
     assert_eq!(c.p_stats(0).reused_tokens, 109);
-    assert_eq!(c.d_stats(0).side_reads_served, 1, "D's blocks read once by P");
-    let h: Value = c.http.get(format!("{}/health", c.router.url())).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        c.d_stats(0).side_reads_served,
+        1,
+        "D's blocks read once by P"
+    );
+    let h: Value = c
+        .http
+        .get(format!("{}/health", c.router.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(h["prefix_check"], "tokens");
 }
 
@@ -39,7 +57,9 @@ async fn replayed_params_are_never_attached_twice() {
     let c = Cluster::start(Opts::default()).await;
     let m2 = first_turn(&c, None, "conv-r", false).await;
     // Turn 2 takes D's params, then D fails: nothing new is stored.
-    let (st, _) = c.chat(None, "conv-r", &m2, false, json!({"fail_decode": true})).await;
+    let (st, _) = c
+        .chat(None, "conv-r", &m2, false, json!({"fail_decode": true}))
+        .await;
     assert_eq!(st, 502);
     assert_eq!(c.metric(PULLED).await, 1.0);
     // The client retries turn 2: the consumed params must not be attached again.
@@ -63,7 +83,11 @@ async fn two_concurrent_turns_of_one_conversation_attach_once() {
     assert_eq!(c.metric(PULLED).await, 1.0);
     assert_eq!(c.metric(NO_ENTRY).await, 2.0);
     assert_eq!(c.p_stats(0).reads_ok, 1);
-    assert_eq!(c.p_stats(0).reads_declined, 0, "no READ of already-read blocks");
+    assert_eq!(
+        c.p_stats(0).reads_declined,
+        0,
+        "no READ of already-read blocks"
+    );
 }
 
 #[tokio::test]
@@ -85,12 +109,32 @@ async fn edited_history_is_recomputed() {
 
 #[tokio::test]
 async fn edited_history_is_recomputed_in_history_mode() {
-    let c = Cluster::start(Opts { no_tokenize: true, ..Opts::default() }).await;
+    let c = Cluster::start(Opts {
+        no_tokenize: true,
+        ..Opts::default()
+    })
+    .await;
     let mut m2 = first_turn(&c, None, "conv-h", false).await;
-    let h: Value = c.http.get(format!("{}/health", c.router.url())).send().await.unwrap().json().await.unwrap();
+    let h: Value = c
+        .http
+        .get(format!("{}/health", c.router.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(h["prefix_check"], "history", "fallback is reported");
-    assert_eq!(c.metric("kvloop_router_prefix_check_mode{mode=\"history\"}").await, 1.0);
-    assert_eq!(c.p_stats(0).last_tokens_header, None, "N unknown: no header");
+    assert_eq!(
+        c.metric("kvloop_router_prefix_check_mode{mode=\"history\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        c.p_stats(0).last_tokens_header,
+        None,
+        "N unknown: no header"
+    );
     let good = m2.clone();
     m2[1] = assistant("something else");
     c.chat(None, "conv-h", &m2, false, json!({})).await;
@@ -157,7 +201,9 @@ async fn abnormal_or_rewritable_replies_are_not_stored() {
     .into_iter()
     .enumerate()
     {
-        let (st, _) = c.chat(None, &format!("conv-ns{i}"), &m1, true, sim.clone()).await;
+        let (st, _) = c
+            .chat(None, &format!("conv-ns{i}"), &m1, true, sim.clone())
+            .await;
         assert_eq!(st, 200, "{sim}");
         if i != 2 {
             // (a truncated stream has no non-streaming counterpart)
@@ -166,8 +212,16 @@ async fn abnormal_or_rewritable_replies_are_not_stored() {
         }
     }
     assert_eq!(c.metric("kvloop_router_store_entries").await, 0.0);
-    assert!(c.metric("kvloop_router_store_skipped_total{reason=\"rewritable_output\"}").await >= 4.0);
-    assert_eq!(c.metric("kvloop_router_store_skipped_total{reason=\"incomplete_stream\"}").await, 1.0);
+    assert!(
+        c.metric("kvloop_router_store_skipped_total{reason=\"rewritable_output\"}")
+            .await
+            >= 4.0
+    );
+    assert_eq!(
+        c.metric("kvloop_router_store_skipped_total{reason=\"incomplete_stream\"}")
+            .await,
+        1.0
+    );
 }
 
 #[tokio::test]
@@ -188,52 +242,92 @@ async fn expired_entries_are_not_attached() {
     // The sweeper drops expired entries and counts them.
     first_turn(&c, None, "conv-z", false).await;
     c.clock.advance(450_000);
-    assert!(c.metric("kvloop_router_store_evictions_total{cause=\"expired\"}").await >= 1.0);
+    assert!(
+        c.metric("kvloop_router_store_evictions_total{cause=\"expired\"}")
+            .await
+            >= 1.0
+    );
 }
 
 #[tokio::test]
 async fn tenants_are_isolated() {
     let c = Cluster::start(Opts::default()).await;
     let m2 = first_turn(&c, Some("tenant-a"), "shared-id", false).await;
-    c.chat(Some("tenant-b"), "shared-id", &m2, false, json!({})).await;
+    c.chat(Some("tenant-b"), "shared-id", &m2, false, json!({}))
+        .await;
     assert_eq!(c.metric(PULLED).await, 0.0);
     assert_eq!(c.metric(NO_ENTRY).await, 2.0);
-    c.chat(Some("tenant-a"), "shared-id", &m2, false, json!({})).await;
+    c.chat(Some("tenant-a"), "shared-id", &m2, false, json!({}))
+        .await;
     assert_eq!(c.metric(PULLED).await, 1.0);
 }
 
 #[tokio::test]
 async fn ipv6_engines_get_bracketed_registry_hosts() {
     if std::net::TcpListener::bind("[::1]:0").is_err() {
-        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "IPv6 loopback unavailable under CI=true");
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "IPv6 loopback unavailable under CI=true"
+        );
         eprintln!("SKIP: no IPv6 loopback");
         return;
     }
-    let c = Cluster::start(Opts { ipv6: true, ..Opts::default() }).await;
+    let c = Cluster::start(Opts {
+        ipv6: true,
+        ..Opts::default()
+    })
+    .await;
     assert!(c.router.url().starts_with("http://[::1]:"));
     let m2 = first_turn(&c, None, "conv-6", false).await;
     // D got P's params with remote_host rewritten from the registry, bracketed.
-    assert_eq!(c.d_stats(0).last_kv_transfer_params.unwrap()["remote_host"], "[::1]");
+    assert_eq!(
+        c.d_stats(0).last_kv_transfer_params.unwrap()["remote_host"],
+        "[::1]"
+    );
     assert_eq!(c.d_stats(0).reads_ok, 1, "D read P's blocks via [::1]");
     c.chat(None, "conv-6", &m2, false, json!({})).await;
     assert_eq!(c.metric(PULLED).await, 1.0);
     let p = c.p_stats(0);
     assert_eq!(p.last_kv_transfer_params.unwrap()["remote_host"], "[::1]");
-    assert_eq!(p.reads_ok, 1, "P read D's blocks via [::1] (engine advertised an unroutable host)");
+    assert_eq!(
+        p.reads_ok, 1,
+        "P read D's blocks via [::1] (engine advertised an unroutable host)"
+    );
 }
 
 #[tokio::test]
 async fn prefill_failure_with_params_is_retried_once_without() {
     let c = Cluster::start(Opts::default()).await;
     let m2 = first_turn(&c, None, "conv-pf", false).await;
-    let (st, a) = c.chat(None, "conv-pf", &m2, false, json!({"fail_prefill_with_params": true})).await;
+    let (st, a) = c
+        .chat(
+            None,
+            "conv-pf",
+            &m2,
+            false,
+            json!({"fail_prefill_with_params": true}),
+        )
+        .await;
     assert_eq!(st, 200, "{a}");
     assert_eq!(c.metric("kvloop_router_prefill_retries_total").await, 1.0);
-    assert_eq!(c.p_stats(0).requests, 3, "turn 1, turn 2 with params, retry without");
-    assert_eq!(c.p_stats(0).last_kv_transfer_params.unwrap()["remote_block_ids"], Value::Null);
-    assert_eq!(c.p_stats(0).last_tokens_header.as_deref(), Some("prompt=132,reused=0"));
+    assert_eq!(
+        c.p_stats(0).requests,
+        3,
+        "turn 1, turn 2 with params, retry without"
+    );
+    assert_eq!(
+        c.p_stats(0).last_kv_transfer_params.unwrap()["remote_block_ids"],
+        Value::Null
+    );
+    assert_eq!(
+        c.p_stats(0).last_tokens_header.as_deref(),
+        Some("prompt=132,reused=0")
+    );
     // A prefill failure without params is not retried.
-    let (st, _) = c.chat(None, "conv-pf2", &m2, false, json!({"fail_prefill": true})).await;
+    let (st, _) = c
+        .chat(None, "conv-pf2", &m2, false, json!({"fail_prefill": true}))
+        .await;
     assert_eq!(st, 502);
     assert_eq!(c.metric("kvloop_router_prefill_retries_total").await, 1.0);
     assert_eq!(c.p_stats(0).requests, 4);
@@ -241,20 +335,55 @@ async fn prefill_failure_with_params_is_retried_once_without() {
 
 #[tokio::test]
 async fn decode_failure_does_not_resend_prefill_params() {
-    let c = Cluster::start(Opts { n_decode: 2, ..Opts::default() }).await;
-    let (st, _) = c.chat(None, "conv-df", &[user("hello world")], false, json!({"fail_decode": true})).await;
+    let c = Cluster::start(Opts {
+        n_decode: 2,
+        ..Opts::default()
+    })
+    .await;
+    let (st, _) = c
+        .chat(
+            None,
+            "conv-df",
+            &[user("hello world")],
+            false,
+            json!({"fail_decode": true}),
+        )
+        .await;
     assert_eq!(st, 502);
-    assert_eq!(c.d_stats(0).requests + c.d_stats(1).requests, 1, "P's params went to exactly one D");
-    assert_eq!(c.p_stats(0).holds, 1, "P's blocks stay under lease; nobody else read them");
-    assert_eq!(c.metric("kvloop_router_requests_total{endpoint=\"chat_completions\",outcome=\"decode_error\"}").await, 1.0);
+    assert_eq!(
+        c.d_stats(0).requests + c.d_stats(1).requests,
+        1,
+        "P's params went to exactly one D"
+    );
+    assert_eq!(
+        c.p_stats(0).holds,
+        1,
+        "P's blocks stay under lease; nobody else read them"
+    );
+    assert_eq!(
+        c.metric(
+            "kvloop_router_requests_total{endpoint=\"chat_completions\",outcome=\"decode_error\"}"
+        )
+        .await,
+        1.0
+    );
 }
 
 #[tokio::test]
 async fn params_from_unknown_engines_are_rejected() {
-    let c = Cluster::start(Opts { misregister_prefill: true, ..Opts::default() }).await;
-    let (st, body) = c.chat(None, "conv-u", &[user("hello")], false, json!({})).await;
+    let c = Cluster::start(Opts {
+        misregister_prefill: true,
+        ..Opts::default()
+    })
+    .await;
+    let (st, body) = c
+        .chat(None, "conv-u", &[user("hello")], false, json!({}))
+        .await;
     assert_eq!(st, 502);
-    assert!(body.contains("kv_transfer_params.remote_engine_id"), "{body}");
+    assert!(
+        body.contains("kv_transfer_params.remote_engine_id"),
+        "{body}"
+    );
     assert_eq!(c.d_stats(0).requests, 0);
 }
 
@@ -273,27 +402,73 @@ async fn pushed_threshold_applies_until_it_lapses() {
             model: None,
         }],
     };
-    let r = c.http.put(&url).bearer_auth("wrong").json(&push(1, 100_000)).send().await.unwrap();
+    let r = c
+        .http
+        .put(&url)
+        .bearer_auth("wrong")
+        .json(&push(1, 100_000))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
-    let r = c.http.put(&url).bearer_auth(TOKEN).json(&push(2, 100_000)).send().await.unwrap();
+    let r = c
+        .http
+        .put(&url)
+        .bearer_auth(TOKEN)
+        .json(&push(2, 100_000))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 204);
-    let r = c.http.put(&url).bearer_auth(TOKEN).json(&push(1, 1)).send().await.unwrap();
+    let r = c
+        .http
+        .put(&url)
+        .bearer_auth(TOKEN)
+        .json(&push(1, 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 204, "stale seq accepted but ignored");
     let mut bad = serde_json::to_value(push(3, 1)).unwrap();
     bad["pairs"][0]["decode_engine_id"] = json!("d9");
-    let r = c.http.put(&url).bearer_auth(TOKEN).json(&bad).send().await.unwrap();
+    let r = c
+        .http
+        .put(&url)
+        .bearer_auth(TOKEN)
+        .json(&bad)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
-    assert!(r.text().await.unwrap().contains("pairs[0].decode_engine_id"));
+    assert!(
+        r.text()
+            .await
+            .unwrap()
+            .contains("pairs[0].decode_engine_id")
+    );
 
     let m2 = first_turn(&c, None, "conv-t", false).await;
     c.chat(None, "conv-t", &m2, false, json!({})).await;
-    assert_eq!(c.metric(BELOW).await, 1.0, "109 reusable tokens < pushed 100000");
+    assert_eq!(
+        c.metric(BELOW).await,
+        1.0,
+        "109 reusable tokens < pushed 100000"
+    );
     // After valid_for_ms the static threshold (64) applies again.
     let m2 = first_turn(&c, None, "conv-t2", false).await;
     c.clock.advance(10_000);
     c.chat(None, "conv-t2", &m2, false, json!({})).await;
     assert_eq!(c.metric(PULLED).await, 1.0);
-    let got: Value = c.http.get(&url).bearer_auth(TOKEN).send().await.unwrap().json().await.unwrap();
+    let got: Value = c
+        .http
+        .get(&url)
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(got["pairs"][0]["in_force"], false);
 }
 
@@ -301,21 +476,58 @@ async fn pushed_threshold_applies_until_it_lapses() {
 async fn client_supplied_params_get_400_naming_the_field() {
     let c = Cluster::start(Opts::default()).await;
     let url = format!("{}/v1/completions", c.router.url());
-    let (st, body) = post(&c.http, &url, None, &json!({"prompt": "x", "kv_transfer_params": {"remote_engine_id": 5}}), false).await;
+    let (st, body) = post(
+        &c.http,
+        &url,
+        None,
+        &json!({"prompt": "x", "kv_transfer_params": {"remote_engine_id": 5}}),
+        false,
+    )
+    .await;
     assert_eq!(st, 400);
-    assert!(body.contains("kv_transfer_params.remote_engine_id"), "{body}");
-    let (st, body) = post(&c.http, &url, None, &json!({"prompt": "x", "conversation_id": 5}), false).await;
+    assert!(
+        body.contains("kv_transfer_params.remote_engine_id"),
+        "{body}"
+    );
+    let (st, body) = post(
+        &c.http,
+        &url,
+        None,
+        &json!({"prompt": "x", "conversation_id": 5}),
+        false,
+    )
+    .await;
     assert_eq!(st, 400);
     assert!(body.contains("conversation_id"), "{body}");
-    let (st, _) = post(&c.http, &url, None, &json!({"prompt": "still serving"}), false).await;
+    let (st, _) = post(
+        &c.http,
+        &url,
+        None,
+        &json!({"prompt": "still serving"}),
+        false,
+    )
+    .await;
     assert_eq!(st, 200);
 }
 
 #[tokio::test]
 async fn models_and_health_are_served() {
     let c = Cluster::start(Opts::default()).await;
-    let m: Value = c.http.get(format!("{}/v1/models", c.router.url())).send().await.unwrap().json().await.unwrap();
+    let m: Value = c
+        .http
+        .get(format!("{}/v1/models", c.router.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(m["data"][0]["id"], "sim-model");
-    let r = c.http.get(format!("{}/health", c.router.url())).send().await.unwrap();
+    let r = c
+        .http
+        .get(format!("{}/health", c.router.url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
 }

@@ -60,7 +60,9 @@ pub async fn sim(role: SimRole, id: &str, o: &Opts) -> SimHandle {
         c.advertised_host = Some("unroutable.invalid".into());
     }
     (o.sim_tweak)(&mut c);
-    kvloop_engine_sim::spawn(c).await.expect("engine-sim starts")
+    kvloop_engine_sim::spawn(c)
+        .await
+        .expect("engine-sim starts")
 }
 
 fn entry(h: &SimHandle, id: &str, role: Role) -> EngineConfig {
@@ -76,7 +78,11 @@ impl Cluster {
         for i in 0..o.n_prefill {
             let id = format!("p{i}");
             let h = sim(SimRole::Prefill, &id, &o).await;
-            let reg_id = if o.misregister_prefill { format!("other-{id}") } else { id };
+            let reg_id = if o.misregister_prefill {
+                format!("other-{id}")
+            } else {
+                id
+            };
             engines.push(entry(&h, &reg_id, Role::Prefill));
             prefill.push(h);
         }
@@ -87,15 +93,27 @@ impl Cluster {
             decode.push(h);
         }
         let mut cfg = RouterConfig {
-            listen: if o.ipv6 { "[::1]:0".parse().unwrap() } else { "127.0.0.1:0".parse().unwrap() },
+            listen: if o.ipv6 {
+                "[::1]:0".parse().unwrap()
+            } else {
+                "127.0.0.1:0".parse().unwrap()
+            },
             admin_token: TOKEN.into(),
             engines,
             ..RouterConfig::default()
         };
         (o.tweak)(&mut cfg);
         let clock = Arc::new(ManualClock::default());
-        let router = kvloop_router::start(cfg, Box::new(clock.clone())).await.expect("router starts");
-        Cluster { prefill, decode, router, clock, http: reqwest::Client::new() }
+        let router = kvloop_router::start(cfg, Box::new(clock.clone()))
+            .await
+            .expect("router starts");
+        Cluster {
+            prefill,
+            decode,
+            router,
+            clock,
+            http: reqwest::Client::new(),
+        }
     }
 
     pub async fn metric(&self, series: &str) -> f64 {
@@ -111,14 +129,34 @@ impl Cluster {
     }
 
     /// One chat turn. Returns (status, answer text or error body).
-    pub async fn chat(&self, tenant: Option<&str>, conv: &str, messages: &[Value], stream: bool, sim: Value) -> (u16, String) {
+    pub async fn chat(
+        &self,
+        tenant: Option<&str>,
+        conv: &str,
+        messages: &[Value],
+        stream: bool,
+        sim: Value,
+    ) -> (u16, String) {
         let body = json!({"model": "sim-model", "messages": messages, "max_tokens": 8, "stream": stream,
                           "conversation_id": conv, "sim": sim});
-        post(&self.http, &format!("{}/v1/chat/completions", self.router.url()), tenant, &body, stream).await
+        post(
+            &self.http,
+            &format!("{}/v1/chat/completions", self.router.url()),
+            tenant,
+            &body,
+            stream,
+        )
+        .await
     }
 }
 
-pub async fn post(http: &reqwest::Client, url: &str, tenant: Option<&str>, body: &Value, stream: bool) -> (u16, String) {
+pub async fn post(
+    http: &reqwest::Client,
+    url: &str,
+    tenant: Option<&str>,
+    body: &Value,
+    stream: bool,
+) -> (u16, String) {
     let mut req = http.post(url).json(body);
     if let Some(t) = tenant {
         req = req.header("x-tenant-id", t);
@@ -132,7 +170,9 @@ pub async fn post(http: &reqwest::Client, url: &str, tenant: Option<&str>, body:
     if stream {
         let mut out = String::new();
         for line in text.lines() {
-            let Some(d) = line.strip_prefix("data: ") else { continue };
+            let Some(d) = line.strip_prefix("data: ") else {
+                continue;
+            };
             if d == "[DONE]" {
                 continue;
             }
@@ -150,15 +190,29 @@ pub async fn post(http: &reqwest::Client, url: &str, tenant: Option<&str>, body:
     } else {
         let v: Value = serde_json::from_str(&text).unwrap();
         let c = &v["choices"][0];
-        let t = c["message"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default();
+        let t = c["message"]["content"]
+            .as_str()
+            .or(c["text"].as_str())
+            .unwrap_or_default();
         (status, t.to_string())
     }
 }
 
 pub async fn metric(http: &reqwest::Client, base: &str, series: &str) -> f64 {
-    let text = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    let text = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).map(|v| v.trim().parse::<f64>().unwrap()))
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .map(|v| v.trim().parse::<f64>().unwrap())
+        })
         .unwrap_or(0.0)
 }
 
@@ -171,7 +225,10 @@ pub fn assistant(text: &str) -> Value {
 }
 
 pub fn words(n: usize, tag: &str) -> String {
-    (0..n).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 pub const PULLED: &str = "kvloop_router_decisions_total{reason=\"pulled\"}";

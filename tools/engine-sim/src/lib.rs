@@ -42,6 +42,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -199,7 +200,9 @@ pub fn tokenize_body(body: &Value) -> Result<Vec<u32>, String> {
                 .map(|t| {
                     t.as_u64()
                         .and_then(|v| u32::try_from(v).ok())
-                        .ok_or_else(|| "prompt: expected a string or an array of token ids".to_string())
+                        .ok_or_else(|| {
+                            "prompt: expected a string or an array of token ids".to_string()
+                        })
                 })
                 .collect(),
             _ => Err("prompt: expected a string or an array of token ids".into()),
@@ -223,7 +226,9 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     /// All blocks free; low ids are handed out first.
     pub fn new(num_blocks: u32) -> Self {
-        Self { free: (0..num_blocks).rev().collect() }
+        Self {
+            free: (0..num_blocks).rev().collect(),
+        }
     }
     /// Allocate `n` blocks, or `None` when fewer are free.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
@@ -305,7 +310,13 @@ pub struct SimulatedTransfer {
 impl SimulatedTransfer {
     /// A transfer with the given per-token cost (microseconds).
     pub fn new(transfer_us_per_token: u64) -> Self {
-        Self { http: reqwest::Client::new(), transfer_us_per_token }
+        Self {
+            http: reqwest::Client::builder()
+                .tcp_nodelay(true)
+                .build()
+                .expect("http client"),
+            transfer_us_per_token,
+        }
     }
 }
 
@@ -321,7 +332,10 @@ pub fn host_port(host: &str, port: u16) -> String {
 impl KvTransfer for SimulatedTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
-            let url = format!("http://{}/kv/read", host_port(&req.remote_host, req.remote_port));
+            let url = format!(
+                "http://{}/kv/read",
+                host_port(&req.remote_host, req.remote_port)
+            );
             let body = json!({
                 "remote_request_id": req.remote_request_id,
                 "remote_engine_id": req.remote_engine_id,
@@ -341,9 +355,17 @@ impl KvTransfer for SimulatedTransfer {
                 let text = resp.text().await.unwrap_or_default();
                 return Err(TransferError::Declined(format!("{status}: {text}")));
             }
-            tokio::time::sleep(Duration::from_micros(self.transfer_us_per_token * req.num_tokens)).await;
+            sleep_us(self.transfer_us_per_token * req.num_tokens).await;
             Ok(req.num_tokens)
         })
+    }
+}
+
+/// Sleep `us` microseconds; no timer at all for 0 (a zero-length tokio sleep
+/// still waits for the next timer tick, about 1 ms).
+async fn sleep_us(us: u64) {
+    if us > 0 {
+        tokio::time::sleep(Duration::from_micros(us)).await;
     }
 }
 
@@ -445,15 +467,21 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SimHandle> {
 ///
 /// # Errors
 /// When a listen address cannot be bound.
-pub async fn spawn_with_transfer(cfg: SimConfig, transfer: Arc<dyn KvTransfer>) -> std::io::Result<SimHandle> {
+pub async fn spawn_with_transfer(
+    cfg: SimConfig,
+    transfer: Arc<dyn KvTransfer>,
+) -> std::io::Result<SimHandle> {
     let http = TcpListener::bind(cfg.http_addr).await?;
     let side = TcpListener::bind(cfg.side_channel_addr).await?;
     let http_addr = http.local_addr()?;
     let side_channel_addr = side.local_addr()?;
-    let advertised_host = cfg.advertised_host.clone().unwrap_or_else(|| match side_channel_addr.ip() {
-        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
-        std::net::IpAddr::V4(v4) => v4.to_string(),
-    });
+    let advertised_host =
+        cfg.advertised_host
+            .clone()
+            .unwrap_or_else(|| match side_channel_addr.ip() {
+                std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+                std::net::IpAddr::V4(v4) => v4.to_string(),
+            });
     let engine = Arc::new(Engine {
         alloc: Mutex::new(BlockAllocator::new(cfg.num_blocks)),
         advertised_host,
@@ -478,22 +506,34 @@ pub async fn spawn_with_transfer(cfg: SimConfig, transfer: Arc<dyn KvTransfer>) 
         app = app.route("/tokenize", post(tokenize));
     }
     let app = app.with_state(engine.clone());
-    let side_app = Router::new().route("/kv/read", post(side_read)).with_state(engine.clone());
+    let side_app = Router::new()
+        .route("/kv/read", post(side_read))
+        .with_state(engine.clone());
     let (side_tx, side_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = axum::serve(http, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-                let _ = side_tx.send(());
-            })
-            .await;
+        let _ = axum::serve(
+            http.tap_io(|t| {
+                let _ = t.set_nodelay(true);
+            }),
+            app,
+        )
+        .with_graceful_shutdown(async move {
+            let _ = rx.await;
+            let _ = side_tx.send(());
+        })
+        .await;
     });
     tokio::spawn(async move {
-        let _ = axum::serve(side, side_app)
-            .with_graceful_shutdown(async move {
-                let _ = side_rx.await;
-            })
-            .await;
+        let _ = axum::serve(
+            side.tap_io(|t| {
+                let _ = t.set_nodelay(true);
+            }),
+            side_app,
+        )
+        .with_graceful_shutdown(async move {
+            let _ = side_rx.await;
+        })
+        .await;
     });
     let sweeper = Arc::downgrade(&engine);
     tokio::spawn(async move {
@@ -503,7 +543,12 @@ pub async fn spawn_with_transfer(cfg: SimConfig, transfer: Arc<dyn KvTransfer>) 
             e.sweep(Instant::now());
         }
     });
-    Ok(SimHandle { http_addr, side_channel_addr, engine, shutdown: Some(tx) })
+    Ok(SimHandle {
+        http_addr,
+        side_channel_addr,
+        engine,
+        shutdown: Some(tx),
+    })
 }
 
 impl Engine {
@@ -528,7 +573,11 @@ impl Engine {
     /// Free every hold whose deadline has passed.
     fn sweep(&self, now: Instant) {
         let mut holds = self.holds.lock().unwrap();
-        let expired: Vec<String> = holds.iter().filter(|(_, h)| h.expires_at <= now).map(|(k, _)| k.clone()).collect();
+        let expired: Vec<String> = holds
+            .iter()
+            .filter(|(_, h)| h.expires_at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
         let mut alloc = self.alloc.lock().unwrap();
         for k in expired {
             if let Some(h) = holds.remove(&k) {
@@ -539,7 +588,9 @@ impl Engine {
 
     /// Allocate and hold blocks for `num_tokens` tokens for `ttl`; returns the block ids.
     fn hold(&self, request_id: &str, num_tokens: u64, ttl: Duration) -> Vec<u32> {
-        let n_blocks = num_tokens.div_ceil(u64::from(self.cfg.block_size_tokens)).max(1) as usize;
+        let n_blocks = num_tokens
+            .div_ceil(u64::from(self.cfg.block_size_tokens))
+            .max(1) as usize;
         let ids = {
             let mut alloc = self.alloc.lock().unwrap();
             match alloc.allocate(n_blocks) {
@@ -547,13 +598,21 @@ impl Engine {
                 None => {
                     drop(alloc);
                     self.sweep(Instant::now());
-                    self.alloc.lock().unwrap().allocate(n_blocks).unwrap_or_default()
+                    self.alloc
+                        .lock()
+                        .unwrap()
+                        .allocate(n_blocks)
+                        .unwrap_or_default()
                 }
             }
         };
         self.holds.lock().unwrap().insert(
             request_id.to_string(),
-            Hold { block_ids: ids.clone(), num_tokens, expires_at: Instant::now() + ttl },
+            Hold {
+                block_ids: ids.clone(),
+                num_tokens,
+                expires_at: Instant::now() + ttl,
+            },
         );
         ids
     }
@@ -572,16 +631,27 @@ impl Engine {
             "remote_num_tokens": num_tokens,
         });
         if decode {
-            let expiry = (self.start.elapsed() + Duration::from_millis(self.cfg.decoder_kv_blocks_ttl_ms)).as_secs_f64();
+            let expiry = (self.start.elapsed()
+                + Duration::from_millis(self.cfg.decoder_kv_blocks_ttl_ms))
+            .as_secs_f64();
             p["remote_blocks_expiry_time"] = json!(expiry);
         }
         p
     }
 
     /// Try to READ the KV the params describe; returns the tokens reused (0 on any failure).
-    async fn pull(&self, params: Option<&Value>, prompt_tokens: u64, expect_from_decode: bool) -> u64 {
+    async fn pull(
+        &self,
+        params: Option<&Value>,
+        prompt_tokens: u64,
+        expect_from_decode: bool,
+    ) -> u64 {
         let Some(p) = params else { return 0 };
-        let flag = if expect_from_decode { "do_remote_decode" } else { "do_remote_prefill" };
+        let flag = if expect_from_decode {
+            "do_remote_decode"
+        } else {
+            "do_remote_prefill"
+        };
         if p.get(flag).and_then(Value::as_bool) != Some(true) {
             return 0;
         }
@@ -612,7 +682,12 @@ impl Engine {
         }
     }
 
-    fn read_request(&self, p: &Value, prompt_tokens: u64, from_decode: bool) -> Result<ReadRequest, &'static str> {
+    fn read_request(
+        &self,
+        p: &Value,
+        prompt_tokens: u64,
+        from_decode: bool,
+    ) -> Result<ReadRequest, &'static str> {
         let blocks: Vec<u32> = match p.get("remote_block_ids") {
             Some(Value::Array(a)) => {
                 let mut out = Vec::new();
@@ -620,10 +695,19 @@ impl Engine {
                     match x {
                         Value::Array(g) => {
                             for b in g {
-                                out.push(b.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or("remote_block_ids")?);
+                                out.push(
+                                    b.as_u64()
+                                        .and_then(|v| u32::try_from(v).ok())
+                                        .ok_or("remote_block_ids")?,
+                                );
                             }
                         }
-                        other => out.push(other.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or("remote_block_ids")?),
+                        other => out.push(
+                            other
+                                .as_u64()
+                                .and_then(|v| u32::try_from(v).ok())
+                                .ok_or("remote_block_ids")?,
+                        ),
                     }
                 }
                 out
@@ -633,10 +717,24 @@ impl Engine {
         if blocks.is_empty() {
             return Err("remote_block_ids");
         }
-        let engine = p.get("remote_engine_id").and_then(Value::as_str).ok_or("remote_engine_id")?;
-        let host = p.get("remote_host").and_then(Value::as_str).filter(|h| !h.is_empty()).ok_or("remote_host")?;
-        let port = p.get("remote_port").and_then(Value::as_u64).and_then(|v| u16::try_from(v).ok()).ok_or("remote_port")?;
-        let rid = p.get("remote_request_id").and_then(Value::as_str).ok_or("remote_request_id")?;
+        let engine = p
+            .get("remote_engine_id")
+            .and_then(Value::as_str)
+            .ok_or("remote_engine_id")?;
+        let host = p
+            .get("remote_host")
+            .and_then(Value::as_str)
+            .filter(|h| !h.is_empty())
+            .ok_or("remote_host")?;
+        let port = p
+            .get("remote_port")
+            .and_then(Value::as_u64)
+            .and_then(|v| u16::try_from(v).ok())
+            .ok_or("remote_port")?;
+        let rid = p
+            .get("remote_request_id")
+            .and_then(Value::as_str)
+            .ok_or("remote_request_id")?;
         let held = p.get("remote_num_tokens").and_then(Value::as_u64);
         let num_tokens = if from_decode {
             // D→P: count = min(remote_num_tokens, prompt_tokens); nothing cached locally.
@@ -667,11 +765,19 @@ enum Api {
     Chat,
 }
 
-async fn completions(State(e): State<Arc<Engine>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+async fn completions(
+    State(e): State<Arc<Engine>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     generate(e, Api::Completions, headers, body).await
 }
 
-async fn chat_completions(State(e): State<Arc<Engine>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+async fn chat_completions(
+    State(e): State<Arc<Engine>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     generate(e, Api::Chat, headers, body).await
 }
 
@@ -682,17 +788,30 @@ fn error(status: StatusCode, msg: impl Into<String>) -> Response {
 }
 
 fn knob(body: &Value, name: &str) -> bool {
-    body.get("sim").and_then(|s| s.get(name)).and_then(Value::as_bool).unwrap_or(false)
+    body.get("sim")
+        .and_then(|s| s.get(name))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
 }
 
-async fn generate(e: Arc<Engine>, api: Api, headers: HeaderMap, raw: axum::body::Bytes) -> Response {
+async fn generate(
+    e: Arc<Engine>,
+    api: Api,
+    headers: HeaderMap,
+    raw: axum::body::Bytes,
+) -> Response {
     e.stats.requests.fetch_add(1, Ordering::Relaxed);
     if let Some(h) = headers.get("x-kvloop-tokens").and_then(|v| v.to_str().ok()) {
         *e.last_tokens_header.lock().unwrap() = Some(h.to_string());
     }
     let body: Value = match serde_json::from_slice(&raw) {
         Ok(v) => v,
-        Err(err) => return error(StatusCode::BAD_REQUEST, format!("body: invalid JSON: {err}")),
+        Err(err) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("body: invalid JSON: {err}"),
+            );
+        }
     };
     let tokens = match tokenize_body(&body) {
         Ok(t) => t,
@@ -705,22 +824,39 @@ async fn generate(e: Arc<Engine>, api: Api, headers: HeaderMap, raw: axum::body:
     let created = 1_700_000_000u64;
     match e.cfg.role {
         Role::Prefill => {
-            let has_blocks = params.and_then(|p| p.get("remote_block_ids")).is_some_and(|b| !b.is_null());
-            if knob(&body, "fail_prefill") || (has_blocks && knob(&body, "fail_prefill_with_params")) {
-                return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated prefill failure");
+            let has_blocks = params
+                .and_then(|p| p.get("remote_block_ids"))
+                .is_some_and(|b| !b.is_null());
+            if knob(&body, "fail_prefill")
+                || (has_blocks && knob(&body, "fail_prefill_with_params"))
+            {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "simulated prefill failure",
+                );
             }
             let reused = e.pull(params, n_prompt, true).await;
             let computed = n_prompt - reused;
             e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-            e.stats.computed_tokens.fetch_add(computed, Ordering::Relaxed);
-            tokio::time::sleep(Duration::from_micros(e.cfg.prefill_us_per_token * computed)).await;
+            e.stats
+                .computed_tokens
+                .fetch_add(computed, Ordering::Relaxed);
+            sleep_us(e.cfg.prefill_us_per_token * computed).await;
             let ids = e.hold(&request_id, n_prompt, Duration::from_millis(e.cfg.lease_ms));
             let kv = e.params(&request_id, ids, n_prompt);
             let choice = match api {
-                Api::Completions => json!({"index": 0, "text": " tok0", "logprobs": null, "finish_reason": "length"}),
-                Api::Chat => json!({"index": 0, "message": {"role": "assistant", "content": "tok0"}, "finish_reason": "length"}),
+                Api::Completions => {
+                    json!({"index": 0, "text": " tok0", "logprobs": null, "finish_reason": "length"})
+                }
+                Api::Chat => {
+                    json!({"index": 0, "message": {"role": "assistant", "content": "tok0"}, "finish_reason": "length"})
+                }
             };
-            let object = if api == Api::Chat { "chat.completion" } else { "text_completion" };
+            let object = if api == Api::Chat {
+                "chat.completion"
+            } else {
+                "text_completion"
+            };
             let resp = json!({
                 "id": request_id, "object": object, "created": created, "model": e.cfg.model,
                 "choices": [choice],
@@ -732,13 +868,18 @@ async fn generate(e: Arc<Engine>, api: Api, headers: HeaderMap, raw: axum::body:
         }
         Role::Decode => {
             if knob(&body, "fail_decode") {
-                return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated decode failure");
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "simulated decode failure",
+                );
             }
             let reused = e.pull(params, n_prompt, false).await;
             let computed = n_prompt - reused;
             e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-            e.stats.computed_tokens.fetch_add(computed, Ordering::Relaxed);
-            tokio::time::sleep(Duration::from_micros(e.cfg.prefill_us_per_token * computed)).await;
+            e.stats
+                .computed_tokens
+                .fetch_add(computed, Ordering::Relaxed);
+            sleep_us(e.cfg.prefill_us_per_token * computed).await;
             let max_tokens = body
                 .get("max_tokens")
                 .or_else(|| body.get("max_completion_tokens"))
@@ -774,18 +915,24 @@ async fn decode_full(
     max_tokens: u64,
     finish: String,
 ) -> Response {
-    tokio::time::sleep(Duration::from_micros(e.cfg.decode_us_per_token * max_tokens)).await;
+    sleep_us(e.cfg.decode_us_per_token * max_tokens).await;
     let text = words(max_tokens).join(" ");
     let normal = finish == "stop" || finish == "length";
     let kv = if normal {
         let held = n_prompt + max_tokens - 1;
-        let ids = e.hold(&request_id, held, Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms));
+        let ids = e.hold(
+            &request_id,
+            held,
+            Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms),
+        );
         e.params(&request_id, ids, held)
     } else {
         Value::Null
     };
     let choice = match api {
-        Api::Completions => json!({"index": 0, "text": format!(" {text}"), "logprobs": null, "finish_reason": finish}),
+        Api::Completions => {
+            json!({"index": 0, "text": format!(" {text}"), "logprobs": null, "finish_reason": finish})
+        }
         Api::Chat => {
             let mut msg = json!({"role": "assistant", "content": text});
             if knob(body, "reasoning") {
@@ -797,7 +944,11 @@ async fn decode_full(
             json!({"index": 0, "message": msg, "finish_reason": finish})
         }
     };
-    let object = if api == Api::Chat { "chat.completion" } else { "text_completion" };
+    let object = if api == Api::Chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
     Json(json!({
         "id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model,
         "choices": [choice],
@@ -818,20 +969,37 @@ fn decode_stream(
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, Infallible>>(16);
     tokio::spawn(async move {
-        let object = if api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if api == Api::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         let chunk = |choice: Value| {
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [choice]});
             bytes::Bytes::from(format!("data: {v}\n\n"))
         };
         let delta = |d: Value| match api {
             Api::Chat => json!({"index": 0, "delta": d, "finish_reason": null}),
-            Api::Completions => json!({"index": 0, "text": d.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": null}),
+            Api::Completions => {
+                json!({"index": 0, "text": d.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": null})
+            }
         };
         if api == Api::Chat {
-            if tx.send(Ok(chunk(delta(json!({"role": "assistant", "content": ""}))))).await.is_err() {
+            if tx
+                .send(Ok(chunk(delta(
+                    json!({"role": "assistant", "content": ""}),
+                ))))
+                .await
+                .is_err()
+            {
                 return;
             }
-            if knob(&body, "reasoning") && tx.send(Ok(chunk(delta(json!({"reasoning_content": "thinking"}))))).await.is_err() {
+            if knob(&body, "reasoning")
+                && tx
+                    .send(Ok(chunk(delta(json!({"reasoning_content": "thinking"})))))
+                    .await
+                    .is_err()
+            {
                 return;
             }
             if knob(&body, "tool_call") {
@@ -845,8 +1013,16 @@ fn decode_stream(
             if e.cfg.decode_us_per_token > 0 {
                 tokio::time::sleep(Duration::from_micros(e.cfg.decode_us_per_token)).await;
             }
-            let piece = if i == 0 && api == Api::Chat { w } else { format!(" {w}") };
-            if tx.send(Ok(chunk(delta(json!({"content": piece}))))).await.is_err() {
+            let piece = if i == 0 && api == Api::Chat {
+                w
+            } else {
+                format!(" {w}")
+            };
+            if tx
+                .send(Ok(chunk(delta(json!({"content": piece})))))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
@@ -856,23 +1032,36 @@ fn decode_stream(
         }
         let fin = match api {
             Api::Chat => json!({"index": 0, "delta": {}, "finish_reason": finish}),
-            Api::Completions => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
+            Api::Completions => {
+                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})
+            }
         };
         if tx.send(Ok(chunk(fin))).await.is_err() {
             return;
         }
         if finish == "stop" || finish == "length" {
             let held = n_prompt + max_tokens - 1;
-            let ids = e.hold(&request_id, held, Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms));
+            let ids = e.hold(
+                &request_id,
+                held,
+                Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms),
+            );
             let kv = e.params(&request_id, ids, held);
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
-            if tx.send(Ok(bytes::Bytes::from(format!("data: {v}\n\n")))).await.is_err() {
+            if tx
+                .send(Ok(bytes::Bytes::from(format!("data: {v}\n\n"))))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
-        let _ = tx.send(Ok(bytes::Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        let _ = tx
+            .send(Ok(bytes::Bytes::from_static(b"data: [DONE]\n\n")))
+            .await;
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+    let stream =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
     Response::builder()
         .header("content-type", "text/event-stream")
         .header("cache-control", "no-cache")
@@ -888,10 +1077,17 @@ async fn models(State(e): State<Arc<Engine>>) -> Response {
 async fn tokenize(body: axum::body::Bytes) -> Response {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
-        Err(err) => return error(StatusCode::BAD_REQUEST, format!("body: invalid JSON: {err}")),
+        Err(err) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("body: invalid JSON: {err}"),
+            );
+        }
     };
     match tokenize_body(&body) {
-        Ok(t) => Json(json!({"count": t.len(), "max_model_len": 131072, "tokens": t})).into_response(),
+        Ok(t) => {
+            Json(json!({"count": t.len(), "max_model_len": 131072, "tokens": t})).into_response()
+        }
         Err(msg) => error(StatusCode::BAD_REQUEST, msg),
     }
 }
@@ -919,13 +1115,22 @@ async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRead>) -> Res
         (StatusCode::GONE, msg).into_response()
     };
     let Some(h) = holds.get(&r.remote_request_id) else {
-        return refuse(format!("request {}: no blocks held (read already, expired or unknown)", r.remote_request_id));
+        return refuse(format!(
+            "request {}: no blocks held (read already, expired or unknown)",
+            r.remote_request_id
+        ));
     };
     if h.expires_at <= now + Duration::from_millis(e.cfg.expiry_margin_ms) {
-        return refuse(format!("request {}: blocks expire within the safety margin", r.remote_request_id));
+        return refuse(format!(
+            "request {}: blocks expire within the safety margin",
+            r.remote_request_id
+        ));
     }
     if r.block_ids != h.block_ids || r.num_tokens > h.num_tokens {
-        return refuse(format!("request {}: block ids or token count do not match the hold", r.remote_request_id));
+        return refuse(format!(
+            "request {}: block ids or token count do not match the hold",
+            r.remote_request_id
+        ));
     }
     let h = holds.remove(&r.remote_request_id).expect("checked above");
     drop(holds);

@@ -7,7 +7,10 @@ use kvloop_engine_sim::{SimConfig, spawn};
 use std::io::Write;
 
 #[derive(Parser)]
-#[command(name = "kvloop-engine-sim", about = "vLLM-protocol engine simulator (P or D role)")]
+#[command(
+    name = "kvloop-engine-sim",
+    about = "vLLM-protocol engine simulator (P or D role)"
+)]
 struct Cli {
     #[command(flatten)]
     config: SimConfig,
@@ -23,7 +26,10 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     let h = spawn(cli.config).await?;
-    println!("READY http={} side_channel={}", h.http_addr, h.side_channel_addr);
+    println!(
+        "READY http={} side_channel={}",
+        h.http_addr, h.side_channel_addr
+    );
     std::io::stdout().flush()?;
     tokio::signal::ctrl_c().await?;
     Ok(())
