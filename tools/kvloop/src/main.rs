@@ -1,5 +1,6 @@
 //! `kvloop`: operator and debugging CLI.
 mod bench;
+mod demo_dataplane;
 mod node;
 
 use kvloop_cli::engine_args;
@@ -21,6 +22,15 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Demos (real local runs).
+    #[command(subcommand)]
+    Demo(DemoCmd),
+}
+
+#[derive(Subcommand)]
+enum DemoCmd {
+    /// D→P and P→D READs between two local nodes, verified.
+    Dataplane(demo_dataplane::DemoDataplaneArgs),
 }
 
 #[derive(Subcommand)]
@@ -49,6 +59,9 @@ fn main() -> anyhow::Result<()> {
         match cli.cmd {
             Cmd::Node(a) => node::run(a).await,
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
+            Cmd::Demo(DemoCmd::Dataplane(a)) => {
+                tokio::task::spawn_blocking(move || demo_dataplane::run(a)).await?
+            }
         }
     })
 }
