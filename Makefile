@@ -34,7 +34,7 @@ test: bootstrap
 	cargo test --workspace --no-fail-fast -- --test-threads=2
 
 demo: build
-	target/release/kvloop demo
+	target/release/kvloop demo dataplane
 
 bench: build
 	target/release/kvloop bench read
