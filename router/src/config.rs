@@ -72,6 +72,10 @@ pub struct RouterConfig {
     pub kv_recompute_threshold: u64,
     /// Prefix safety check [`tokens`].
     pub prefix_check: PrefixCheckMode,
+    /// Tokenize (engine `/tokenize`) also requests without a conversation id,
+    /// so that every prefill request carries `X-KVLoop-Tokens` for the prefill
+    /// probe; costs one extra round trip to P per request [false].
+    pub tokenize_every_request: bool,
     /// Period of engine health checks (`GET /health`), ms [2000].
     pub health_interval_ms: u64,
     /// Timeout of one health check, ms [1000].
@@ -100,6 +104,7 @@ impl Default for RouterConfig {
             store_capacity: 1_000_000,
             kv_recompute_threshold: crate::thresholds::DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS,
             prefix_check: PrefixCheckMode::Tokens,
+            tokenize_every_request: false,
             health_interval_ms: 2_000,
             health_timeout_ms: 1_000,
             connect_timeout_ms: 2_000,
@@ -173,6 +178,13 @@ impl RouterConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn example_config_parses() {
+        let c = RouterConfig::from_toml(include_str!("../router.example.toml")).unwrap();
+        assert_eq!(c.engines.len(), 2);
+        crate::registry::Registry::new(c.engines).unwrap();
+    }
 
     #[test]
     fn parses_and_names_unknown_fields() {

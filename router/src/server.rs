@@ -496,7 +496,9 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     let facts = PromptFacts {
         tokens: match prompt_token_ids {
             Some(t) => Some(t),
-            None if conversation_id.is_some() && s.cfg.prefix_check == PrefixCheckMode::Tokens => {
+            None if (conversation_id.is_some() || s.cfg.tokenize_every_request)
+                && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
+            {
                 tokenize(s, &p.http_url, api, &body).await
             }
             None => None,

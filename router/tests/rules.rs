@@ -531,3 +531,44 @@ async fn models_and_health_are_served() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+#[tokio::test]
+async fn tokens_header_on_every_request_when_configured() {
+    let c = Cluster::start(Opts {
+        tweak: |cfg| cfg.tokenize_every_request = true,
+        ..Opts::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", c.router.url());
+    let (st, _) = post(
+        &c.http,
+        &url,
+        None,
+        &json!({"prompt": "one two three", "max_tokens": 2}),
+        false,
+    )
+    .await;
+    assert_eq!(st, 200);
+    assert_eq!(
+        c.p_stats(0).last_tokens_header.as_deref(),
+        Some("prompt=3,reused=0")
+    );
+}
+
+#[tokio::test]
+async fn lru_bound_evicts_and_counts() {
+    let c = Cluster::start(Opts {
+        tweak: |cfg| cfg.store_capacity = 2,
+        ..Opts::default()
+    })
+    .await;
+    for conv in ["c1", "c2", "c3"] {
+        first_turn(&c, None, conv, false).await;
+    }
+    assert_eq!(c.metric("kvloop_router_store_entries").await, 2.0);
+    assert_eq!(
+        c.metric("kvloop_router_store_evictions_total{cause=\"lru\"}")
+            .await,
+        1.0
+    );
+}
