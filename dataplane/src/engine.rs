@@ -19,7 +19,7 @@ use crate::fabric::{FabricBackend, FabricConfig};
 use crate::layout::{BlockPair, KvLayout, segments};
 use crate::nixl::{NixlBackend, NixlConfig};
 use crate::notify::{Notification, format_notification, parse_notification};
-use crate::region::{HostRegion, RegionDesc};
+use crate::region::{HostRegion, KvRegion, RegionDesc};
 use crate::sidechannel::{EngineMetadata, Message, PROTOCOL_VERSION, read_message, write_message};
 
 /// Which backend an engine uses.
@@ -132,7 +132,7 @@ struct Inner {
     cfg: EngineConfig,
     // Field order is drop order: the backend (registrations) goes before the regions.
     backend: Box<dyn TransferBackend>,
-    regions: Vec<HostRegion>,
+    regions: Vec<KvRegion>,
     local_addr: SocketAddr,
     peers: RwLock<HashMap<String, Peer>>,
     notif_tx: broadcast::Sender<Notification>,
@@ -164,6 +164,15 @@ impl TransferEngine {
     /// [`DataplaneError::Config`] for a bad layout or region set; backend and
     /// I/O errors from setup.
     pub async fn start(cfg: EngineConfig, regions: Vec<HostRegion>) -> Result<Self> {
+        Self::start_with_regions(cfg, regions.into_iter().map(KvRegion::from).collect()).await
+    }
+
+    /// As [`TransferEngine::start`], with regions of any kind (host memfd or,
+    /// with feature `cuda`, device memory registered with `FI_HMEM` / NIXL `VRAM`).
+    ///
+    /// # Errors
+    /// As [`TransferEngine::start`].
+    pub async fn start_with_regions(cfg: EngineConfig, regions: Vec<KvRegion>) -> Result<Self> {
         cfg.layout.validate()?;
         if cfg.engine_id.is_empty() || cfg.engine_id.len() > 256 {
             return Err(DataplaneError::Config {
@@ -193,7 +202,7 @@ impl TransferEngine {
                 });
             }
         }
-        let descs: Vec<RegionDesc> = regions.iter().map(RegionDesc::from).collect();
+        let descs: Vec<RegionDesc> = regions.iter().map(KvRegion::desc).collect();
         let backend: Box<dyn TransferBackend> = match &cfg.backend {
             BackendConfig::Libfabric(f) => {
                 let mut f = f.clone();
@@ -285,12 +294,22 @@ impl TransferEngine {
         self.inner.backend.name()
     }
 
-    /// Local region `i` (for filling and checking block contents).
+    /// Local host region `i` (for filling and checking block contents).
+    ///
+    /// # Panics
+    /// When `i >= layout.num_regions` or region `i` is device memory.
+    pub fn region(&self, i: usize) -> &HostRegion {
+        self.inner.regions[i]
+            .as_host()
+            .expect("region is device memory; use region_desc")
+    }
+
+    /// Address, length and kind of local region `i`.
     ///
     /// # Panics
     /// When `i >= layout.num_regions`.
-    pub fn region(&self, i: usize) -> &HostRegion {
-        &self.inner.regions[i]
+    pub fn region_desc(&self, i: usize) -> RegionDesc {
+        self.inner.regions[i].desc()
     }
 
     /// This engine's handshake metadata.

@@ -278,6 +278,55 @@ impl CudaRegion {
     }
 }
 
+/// One KV region owned by a [`crate::TransferEngine`].
+pub enum KvRegion {
+    /// Host memory (memfd).
+    Host(HostRegion),
+    /// CUDA device memory (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Cuda(CudaRegion),
+}
+
+impl KvRegion {
+    /// The host region, when this is one.
+    pub fn as_host(&self) -> Option<&HostRegion> {
+        match self {
+            Self::Host(h) => Some(h),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(_) => None,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Host(h) => h.len(),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(c) => c.len(),
+        }
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Address, length and kind, as the backends see it.
+    pub fn desc(&self) -> RegionDesc {
+        match self {
+            Self::Host(h) => RegionDesc::from(h),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(c) => RegionDesc::from(c),
+        }
+    }
+}
+
+impl From<HostRegion> for KvRegion {
+    fn from(h: HostRegion) -> Self {
+        Self::Host(h)
+    }
+}
+
 /// A region of KV memory as the backends see it: start address, length,
 /// and where it lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
