@@ -80,6 +80,17 @@ async fn main() -> anyhow::Result<()> {
     let r = start(cfg.clone(), Box::new(MonotonicClock::default())).await?;
     info!(addr = %r.addr, engines = cfg.engines.len(), prefix_check = cfg.prefix_check.as_str(), "kvloop-router listening");
     println!("READY http={}", r.addr);
-    tokio::signal::ctrl_c().await?;
+    shutdown_signal().await;
+    info!("shutting down");
     Ok(())
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }

@@ -471,7 +471,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     let d_idx = s
         .pick(&s.decode_idx, &s.rr_decode)
         .ok_or_else(|| unavailable("decode"))?;
-    let p = s.registry.get(p_idx).expect("index");
+    let mut p = s.registry.get(p_idx).expect("index");
     let d = s.registry.get(d_idx).expect("index");
     let request_id = headers
         .get("x-request-id")
@@ -591,6 +591,11 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         warn!(%request_id, prefill = %p.engine_id, error = %p_resp.as_ref().err().unwrap(), "prefill failed with D's params attached; retrying once without them");
         s.metrics.prefill_retries.inc();
         p_body.insert("kv_transfer_params".into(), no_reuse_prefill_params());
+        // Once, without D's params; on the next healthy prefill engine when
+        // there is another one (round robin), else the same.
+        if let Some(next) = s.pick(&s.prefill_idx, &s.rr_prefill) {
+            p = s.registry.get(next).expect("index");
+        }
         p_resp = send_prefill(s, &p.http_url, api, &request_id, &p_body, n_prompt, 0).await;
     }
     let p_json = p_resp.map_err(|e| {

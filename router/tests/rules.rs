@@ -572,3 +572,44 @@ async fn lru_bound_evicts_and_counts() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn unhealthy_engines_are_skipped() {
+    let mut c = Cluster::start(Opts {
+        n_decode: 2,
+        tweak: |cfg| cfg.health_interval_ms = 50,
+        ..Opts::default()
+    })
+    .await;
+    c.decode[0].stop();
+    let mut marked = false;
+    for _ in 0..100 {
+        let h: Value = c
+            .http
+            .get(format!("{}/health", c.router.url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if h["engines"][1]["healthy"] == false {
+            marked = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(marked, "d0 never marked unhealthy");
+    assert_eq!(
+        c.metric("kvloop_router_engine_healthy{engine_id=\"d0\"}")
+            .await,
+        0.0
+    );
+    for i in 0..4 {
+        let (st, body) = c
+            .chat(None, &format!("h{i}"), &[user("hello")], false, json!({}))
+            .await;
+        assert_eq!(st, 200, "{body}");
+    }
+    assert_eq!(c.d_stats(1).requests, 4);
+}
