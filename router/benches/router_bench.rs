@@ -288,9 +288,14 @@ fn proxy_bench() {
         num_cpus()
     );
     println!(
-        "| offered req/s | direct p50 µs | direct p99 µs | router p50 µs | router p99 µs | added p50 µs | added p99 µs | achieved req/s (both) | errors d/r |"
+        "(router CPU/request: CPU time of the router runtime's single worker thread / routed requests; independent of machine load)"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| offered req/s | direct p50 µs | direct p99 µs | router p50 µs | router p99 µs | added p50 µs | added p99 µs | router CPU/request µs | achieved req/s (both) | errors d/r |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let rh = router_rt.handle().clone();
+    let eh = engines_rt.handle().clone();
     client_rt.block_on(async {
         // warm up connections
         for i in 0..200 {
@@ -298,11 +303,14 @@ fn proxy_bench() {
             via_router(&t, i).await;
         }
         for &rate in rates {
+            let cpu0 = rh.spawn(async { thread_cpu_ns() }).await.unwrap();
             let (mut dr, mut rr) = open_loop(&t, rate, secs, max_n).await;
+            let cpu1 = rh.spawn(async { thread_cpu_ns() }).await.unwrap();
+            let cpu_us = (cpu1 - cpu0) as f64 / 1e3 / (rr.lat_us.len() as f64 + rr.errors as f64).max(1.0);
             let (d50, d99) = (pct(&mut dr.lat_us, 0.5), pct(&mut dr.lat_us, 0.99));
             let (r50, r99) = (pct(&mut rr.lat_us, 0.5), pct(&mut rr.lat_us, 0.99));
             println!(
-                "| {rate:.0} | {d50:.0} | {d99:.0} | {r50:.0} | {r99:.0} | {:.0} | {:.0} | {:.0} | {}/{} |",
+                "| {rate:.0} | {d50:.0} | {d99:.0} | {r50:.0} | {r99:.0} | {:.0} | {:.0} | {cpu_us:.1} | {:.0} | {}/{} |",
                 r50 - d50,
                 r99 - d99,
                 rr.achieved_rps,
@@ -311,18 +319,33 @@ fn proxy_bench() {
             );
         }
         let secs = if quick() { 1.0 } else { 3.0 };
-        println!("\n## Maximum request rate (closed loop, 32 concurrent clients, {secs} s)");
-        println!("| path | req/s |");
-        println!("|---|---:|");
-        let dmax = closed_loop(&t, false, 32, secs).await;
-        let rmax = closed_loop(&t, true, 32, secs).await;
-        println!("| direct (P then D) | {dmax:.0} |");
-        println!("| through router | {rmax:.0} |");
+        println!("\n## Maximum request rate (closed loop, 32 concurrent clients, {secs} s) and CPU per request");
+        println!("(CPU: per runtime worker thread, /proc/thread-self/schedstat; the client runtime, the router runtime and the engines' runtime have one worker each)");
+        println!("| path | req/s | client CPU µs/req | router CPU µs/req | engines CPU µs/req |");
+        println!("|---|---:|---:|---:|---:|");
+        let ch = tokio::runtime::Handle::current();
+        for (label, routed) in [("direct (P then D)", false), ("through router", true)] {
+            let cpu = |h: &tokio::runtime::Handle| h.spawn(async { thread_cpu_ns() });
+            let (c0, r0, e0) = (cpu(&ch).await.unwrap(), cpu(&rh).await.unwrap(), cpu(&eh).await.unwrap());
+            let rps = closed_loop(&t, routed, 32, secs).await;
+            let (c1, r1, e1) = (cpu(&ch).await.unwrap(), cpu(&rh).await.unwrap(), cpu(&eh).await.unwrap());
+            let n = rps * secs;
+            let per = |a: u64, b: u64| (b - a) as f64 / 1e3 / n;
+            println!("| {label} | {rps:.0} | {:.1} | {:.1} | {:.1} |", per(c0, c1), per(r0, r1), per(e0, e1));
+        }
     });
     drop(router);
     router_rt.shutdown_timeout(Duration::from_secs(1));
     drop((p, d));
     engines_rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// CPU time of the calling thread, ns (`/proc/thread-self/schedstat`, first field).
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
 }
 
 fn num_cpus() -> usize {
