@@ -87,6 +87,8 @@ pub struct AppState {
     rr_prefill: AtomicUsize,
     rr_decode: AtomicUsize,
     tokenize_ok: AtomicBool,
+    /// After a failed `/tokenize`, no new attempt before this time (ms).
+    tokenize_retry_at_ms: AtomicU64,
     request_seq: AtomicU64,
     prefill_idx: Vec<u16>,
     decode_idx: Vec<u16>,
@@ -148,6 +150,7 @@ impl AppState {
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
             tokenize_ok: AtomicBool::new(true),
+            tokenize_retry_at_ms: AtomicU64::new(0),
             request_seq: AtomicU64::new(0),
             registry,
             cfg,
@@ -357,12 +360,18 @@ struct PromptFacts {
     tokens: Option<Vec<u32>>,
 }
 
+/// Back-off after a failed `/tokenize` (the history check is used meanwhile), ms.
+const TOKENIZE_RETRY_MS: u64 = 30_000;
+
 async fn tokenize(
     s: &AppState,
     url: &str,
     api: Api,
     body: &Map<String, Value>,
 ) -> Option<Vec<u32>> {
+    if s.now_ms() < s.tokenize_retry_at_ms.load(Ordering::Relaxed) {
+        return None;
+    }
     let mut req = Map::new();
     if let Some(m) = body.get("model") {
         req.insert("model".into(), m.clone());
@@ -410,6 +419,10 @@ async fn tokenize(
             None
         }
     };
+    if tokens.is_none() {
+        s.tokenize_retry_at_ms
+            .store(s.now_ms() + TOKENIZE_RETRY_MS, Ordering::Relaxed);
+    }
     s.set_tokenize_ok(tokens.is_some());
     tokens
 }
