@@ -613,3 +613,41 @@ async fn unhealthy_engines_are_skipped() {
     }
     assert_eq!(c.d_stats(1).requests, 4);
 }
+
+#[tokio::test]
+async fn client_disconnect_mid_stream_is_not_stored() {
+    let c = Cluster::start(Opts {
+        sim_tweak: |s| s.decode_us_per_token = 20_000,
+        ..Opts::default()
+    })
+    .await;
+    let body = |conv: &str| json!({"model": "m", "messages": [user("hello there")], "stream": true, "max_tokens": 20, "conversation_id": conv});
+    let url = format!("{}/v1/chat/completions", c.router.url());
+    let mut r = c
+        .http
+        .post(&url)
+        .json(&body("conv-dc"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let first = r.chunk().await.unwrap().unwrap();
+    assert!(
+        first.starts_with(b"data: "),
+        "chunks arrive before the answer is complete"
+    );
+    drop(r);
+    // D's stream would have ended after 20 × 20 ms; give it that time.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert_eq!(c.metric("kvloop_router_store_entries").await, 0.0);
+    // Control: the same turn read to the end is stored.
+    let r = c
+        .http
+        .post(&url)
+        .json(&body("conv-ok"))
+        .send()
+        .await
+        .unwrap();
+    r.text().await.unwrap();
+    assert_eq!(c.metric("kvloop_router_store_entries").await, 1.0);
+}
