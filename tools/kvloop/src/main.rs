@@ -1,6 +1,7 @@
 //! `kvloop`: operator and debugging CLI.
 mod bench;
 mod demo_dataplane;
+mod multiturn;
 mod node;
 
 use kvloop_cli::engine_args;
@@ -37,6 +38,8 @@ enum DemoCmd {
 enum BenchCmd {
     /// READ throughput/latency vs raw libfabric and memcpy.
     Read(bench::BenchReadArgs),
+    /// Multi-turn chat load (vLLM multi_turn inputs or agentic conversations): TTFT table, JSON, PNG.
+    Multiturn(multiturn::BenchMultiturnArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,6 +62,7 @@ fn main() -> anyhow::Result<()> {
         match cli.cmd {
             Cmd::Node(a) => node::run(a).await,
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
+            Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(a).await,
             Cmd::Demo(DemoCmd::Dataplane(a)) => {
                 tokio::task::spawn_blocking(move || demo_dataplane::run(a)).await?
             }
