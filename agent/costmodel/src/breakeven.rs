@@ -42,7 +42,9 @@ impl TransferCoefficients {
 
     /// Predicted time of one READ, ms.
     pub fn predict_ms(&self, bytes: u64, descriptors: u64) -> f64 {
-        self.fixed_ms + bytes as f64 * self.ms_per_byte + descriptors as f64 * self.ms_per_descriptor
+        self.fixed_ms
+            + bytes as f64 * self.ms_per_byte
+            + descriptors as f64 * self.ms_per_descriptor
     }
 }
 
@@ -64,7 +66,8 @@ impl PrefillCoefficients {
     /// Predicted prefill time, ms.
     pub fn predict_ms(&self, new_tokens: u64, context_tokens: u64) -> f64 {
         let n = new_tokens as f64;
-        self.p0_ms + n * (self.ms_per_token + self.ms_per_token_ctx * (context_tokens as f64 + n / 2.0))
+        self.p0_ms
+            + n * (self.ms_per_token + self.ms_per_token_ctx * (context_tokens as f64 + n / 2.0))
     }
 
     /// Extra time to recompute the first `r` tokens of a prompt instead of
@@ -112,7 +115,11 @@ pub fn router_coefficients(
 pub fn break_even_tokens(c: &CostModelCoefficients) -> f64 {
     let clean = |v: f64| if v.is_finite() && v > 0.0 { v } else { 0.0 };
     let x0 = clean(c.xfer_fixed_ms);
-    let x1 = if c.xfer_ms_per_token.is_nan() { 0.0 } else { c.xfer_ms_per_token.max(0.0) };
+    let x1 = if c.xfer_ms_per_token.is_nan() {
+        0.0
+    } else {
+        c.xfer_ms_per_token.max(0.0)
+    };
     let k1 = clean(c.prefill_ms_per_token);
     let q = clean(c.prefill_ms_per_token_ctx) / 2.0;
     if !x1.is_finite() {
@@ -132,7 +139,11 @@ pub fn break_even_tokens(c: &CostModelCoefficients) -> f64 {
     } else {
         f64::INFINITY
     };
-    if r.is_nan() { f64::INFINITY } else { r.max(0.0) }
+    if r.is_nan() {
+        f64::INFINITY
+    } else {
+        r.max(0.0)
+    }
 }
 
 /// Standard error of [`break_even_tokens`], tokens, by the delta method:
@@ -140,7 +151,11 @@ pub fn break_even_tokens(c: &CostModelCoefficients) -> f64 {
 /// `cov_prefill` of (`prefill_ms_per_token`, `prefill_ms_per_token_ctx`)
 /// (transfer and prefill fits are independent). The gradient is taken by
 /// central differences. 0 when the break-even is not finite.
-pub fn break_even_se_tokens(c: &CostModelCoefficients, cov_xfer: [[f64; 2]; 2], cov_prefill: [[f64; 2]; 2]) -> f64 {
+pub fn break_even_se_tokens(
+    c: &CostModelCoefficients,
+    cov_xfer: [[f64; 2]; 2],
+    cov_prefill: [[f64; 2]; 2],
+) -> f64 {
     let r0 = break_even_tokens(c);
     if !r0.is_finite() {
         return 0.0;
@@ -151,7 +166,11 @@ pub fn break_even_se_tokens(c: &CostModelCoefficients, cov_xfer: [[f64; 2]; 2], 
         set(&mut up, v + h);
         set(&mut dn, (v - h).max(0.0));
         let (ru, rd) = (break_even_tokens(&up), break_even_tokens(&dn));
-        if ru.is_finite() && rd.is_finite() { (ru - rd) / (v + h - (v - h).max(0.0)) } else { 0.0 }
+        if ru.is_finite() && rd.is_finite() {
+            (ru - rd) / (v + h - (v - h).max(0.0))
+        } else {
+            0.0
+        }
     };
     let gx = [
         grad(&|c, v| c.xfer_fixed_ms = v, c.xfer_fixed_ms),
@@ -159,13 +178,22 @@ pub fn break_even_se_tokens(c: &CostModelCoefficients, cov_xfer: [[f64; 2]; 2], 
     ];
     let gp = [
         grad(&|c, v| c.prefill_ms_per_token = v, c.prefill_ms_per_token),
-        grad(&|c, v| c.prefill_ms_per_token_ctx = v, c.prefill_ms_per_token_ctx),
+        grad(
+            &|c, v| c.prefill_ms_per_token_ctx = v,
+            c.prefill_ms_per_token_ctx,
+        ),
     ];
     let quad = |g: [f64; 2], m: [[f64; 2]; 2]| {
-        (0..2).map(|i| (0..2).map(|j| g[i] * m[i][j] * g[j]).sum::<f64>()).sum::<f64>()
+        (0..2)
+            .map(|i| (0..2).map(|j| g[i] * m[i][j] * g[j]).sum::<f64>())
+            .sum::<f64>()
     };
     let var = quad(gx, cov_xfer) + quad(gp, cov_prefill);
-    if var.is_finite() && var > 0.0 { var.sqrt() } else { 0.0 }
+    if var.is_finite() && var > 0.0 {
+        var.sqrt()
+    } else {
+        0.0
+    }
 }
 
 /// Covariance of (`xfer_fixed_ms`, `xfer_ms_per_token`) from the covariance of
@@ -173,11 +201,16 @@ pub fn break_even_se_tokens(c: &CostModelCoefficients, cov_xfer: [[f64; 2]; 2], 
 pub(crate) fn router_xfer_cov(cov: &[[f64; 3]; 3], shape: &KvShape) -> [[f64; 2]; 2] {
     let regions = shape.regions_per_block as f64;
     let block = shape.block_size_tokens.max(1) as f64;
-    let j = [[1.0, 0.0, 0.5 * regions], [0.0, shape.bytes_per_token as f64, regions / block]];
+    let j = [
+        [1.0, 0.0, 0.5 * regions],
+        [0.0, shape.bytes_per_token as f64, regions / block],
+    ];
     let mut out = [[0.0; 2]; 2];
     for (a, row) in out.iter_mut().enumerate() {
         for (b, cell) in row.iter_mut().enumerate() {
-            *cell = (0..3).map(|p| (0..3).map(|q| j[a][p] * cov[p][q] * j[b][q]).sum::<f64>()).sum();
+            *cell = (0..3)
+                .map(|p| (0..3).map(|q| j[a][p] * cov[p][q] * j[b][q]).sum::<f64>())
+                .sum();
         }
     }
     out
@@ -233,8 +266,14 @@ mod tests {
 
     #[test]
     fn never_and_degenerate() {
-        assert_eq!(break_even_tokens(&coeffs(10.0, 0.3, 0.2, 0.0)), f64::INFINITY);
-        assert_eq!(break_even_tokens(&coeffs(f64::NAN, f64::NAN, f64::NAN, f64::NAN)), f64::INFINITY);
+        assert_eq!(
+            break_even_tokens(&coeffs(10.0, 0.3, 0.2, 0.0)),
+            f64::INFINITY
+        );
+        assert_eq!(
+            break_even_tokens(&coeffs(f64::NAN, f64::NAN, f64::NAN, f64::NAN)),
+            f64::INFINITY
+        );
         assert_eq!(clamp_threshold(f64::INFINITY, 16, 1000), 1000);
         assert_eq!(clamp_threshold(3.2, 16, 1000), 16);
         assert_eq!(clamp_threshold(17.2, 16, 1000), 18);
@@ -242,16 +281,31 @@ mod tests {
 
     #[test]
     fn router_form_matches_exact_descriptor_count_on_average() {
-        let x = TransferCoefficients { fixed_ms: 10.0, ms_per_byte: 2e-8, ms_per_descriptor: 5e-4 };
-        let p = PrefillCoefficients { p0_ms: 5.0, ms_per_token: 0.16, ms_per_token_ctx: 5e-6 };
-        let s = KvShape { bytes_per_token: 262_144, block_size_tokens: 16, regions_per_block: 128 };
+        let x = TransferCoefficients {
+            fixed_ms: 10.0,
+            ms_per_byte: 2e-8,
+            ms_per_descriptor: 5e-4,
+        };
+        let p = PrefillCoefficients {
+            p0_ms: 5.0,
+            ms_per_token: 0.16,
+            ms_per_token_ctx: 5e-6,
+        };
+        let s = KvShape {
+            bytes_per_token: 262_144,
+            block_size_tokens: 16,
+            regions_per_block: 128,
+        };
         let c = router_coefficients(&x, &p, &s, 0.9);
         // Over one block of R values the linear form equals the mean exact cost.
         let exact: f64 = (1..=16u64)
             .map(|r| x.predict_ms(r * s.bytes_per_token, r.div_ceil(16) * 128))
             .sum::<f64>()
             / 16.0;
-        let lin: f64 = (1..=16).map(|r| c.xfer_fixed_ms + r as f64 * c.xfer_ms_per_token).sum::<f64>() / 16.0;
+        let lin: f64 = (1..=16)
+            .map(|r| c.xfer_fixed_ms + r as f64 * c.xfer_ms_per_token)
+            .sum::<f64>()
+            / 16.0;
         assert!((exact - lin).abs() / exact < 0.01, "{exact} vs {lin}");
         assert!((p.recompute_ms(100.0) - 100.0 * (0.16 + 5e-6 * 50.0)).abs() < 1e-12);
     }

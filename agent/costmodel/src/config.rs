@@ -37,7 +37,11 @@ pub struct SourceWeights {
 
 impl Default for SourceWeights {
     fn default() -> Self {
-        SourceWeights { ebpf: 1.0, userspace: 1.0, active_probe: 1.0 }
+        SourceWeights {
+            ebpf: 1.0,
+            userspace: 1.0,
+            active_probe: 1.0,
+        }
     }
 }
 
@@ -181,7 +185,11 @@ impl Default for CostModelConfig {
 }
 
 fn invalid(field: &'static str, value: impl ToString, expected: &'static str) -> ConfigError {
-    ConfigError::Invalid { field, value: value.to_string(), expected }
+    ConfigError::Invalid {
+        field,
+        value: value.to_string(),
+        expected,
+    }
 }
 
 impl CostModelConfig {
@@ -200,14 +208,25 @@ impl CostModelConfig {
             }
         }
         if self.max_samples_per_model < 3 {
-            return Err(invalid("max_samples_per_model", self.max_samples_per_model, "at least 3"));
+            return Err(invalid(
+                "max_samples_per_model",
+                self.max_samples_per_model,
+                "at least 3",
+            ));
         }
         if self.min_samples < 3 || self.min_samples > self.max_samples_per_model {
-            return Err(invalid("min_samples", self.min_samples, "3 ..= max_samples_per_model"));
+            return Err(invalid(
+                "min_samples",
+                self.min_samples,
+                "3 ..= max_samples_per_model",
+            ));
         }
         let finite_pos = [
             ("confidence_half_samples", self.confidence_half_samples),
-            ("prior_bandwidth_bytes_per_s", self.prior_bandwidth_bytes_per_s),
+            (
+                "prior_bandwidth_bytes_per_s",
+                self.prior_bandwidth_bytes_per_s,
+            ),
             ("change_detect_threshold", self.change_detect_threshold),
         ];
         for (f, v) in finite_pos {
@@ -219,11 +238,20 @@ impl CostModelConfig {
             ("prior_per_descriptor_ms", self.prior_per_descriptor_ms),
             ("change_detect_slack", self.change_detect_slack),
             ("band_sigmas", self.band_sigmas),
-            ("prior_prefill_ms_per_token", self.prior_prefill_ms_per_token),
-            ("prior_prefill_ms_per_token_ctx", self.prior_prefill_ms_per_token_ctx),
+            (
+                "prior_prefill_ms_per_token",
+                self.prior_prefill_ms_per_token,
+            ),
+            (
+                "prior_prefill_ms_per_token_ctx",
+                self.prior_prefill_ms_per_token_ctx,
+            ),
             ("source_weights.ebpf", self.source_weights.ebpf),
             ("source_weights.userspace", self.source_weights.userspace),
-            ("source_weights.active_probe", self.source_weights.active_probe),
+            (
+                "source_weights.active_probe",
+                self.source_weights.active_probe,
+            ),
         ];
         for (f, v) in finite_nonneg {
             if !(v.is_finite() && v >= 0.0) {
@@ -231,19 +259,35 @@ impl CostModelConfig {
             }
         }
         if !(0.0..=1.0).contains(&self.min_confidence) {
-            return Err(invalid("min_confidence", self.min_confidence, "a number in [0, 1]"));
+            return Err(invalid(
+                "min_confidence",
+                self.min_confidence,
+                "a number in [0, 1]",
+            ));
         }
         if !(self.band_rel >= 0.0 && self.band_rel < 1.0) {
             return Err(invalid("band_rel", self.band_rel, "a number in [0, 1)"));
         }
         if !(self.refine_se_factor.is_finite() && self.refine_se_factor > 1.0) {
-            return Err(invalid("refine_se_factor", self.refine_se_factor, "a finite number > 1"));
+            return Err(invalid(
+                "refine_se_factor",
+                self.refine_se_factor,
+                "a finite number > 1",
+            ));
         }
         if !(self.refine_min_rel >= 0.0 && self.refine_min_rel < 1.0) {
-            return Err(invalid("refine_min_rel", self.refine_min_rel, "a number in [0, 1)"));
+            return Err(invalid(
+                "refine_min_rel",
+                self.refine_min_rel,
+                "a number in [0, 1)",
+            ));
         }
         if !(self.max_band_rel >= self.band_rel && self.max_band_rel < 1.0) {
-            return Err(invalid("max_band_rel", self.max_band_rel, "a number in [band_rel, 1)"));
+            return Err(invalid(
+                "max_band_rel",
+                self.max_band_rel,
+                "a number in [band_rel, 1)",
+            ));
         }
         if !(self.min_pivot > 0.0 && self.min_pivot < 1.0) {
             return Err(invalid("min_pivot", self.min_pivot, "a number in (0, 1)"));
@@ -275,7 +319,8 @@ mod tests {
         c.validate().unwrap();
         let parsed: CostModelConfig = toml::from_str("").unwrap();
         assert_eq!(parsed, c);
-        let parsed: CostModelConfig = toml::from_str("dwell_ms = 500\n[source_weights]\nebpf = 0.5\n").unwrap();
+        let parsed: CostModelConfig =
+            toml::from_str("dwell_ms = 500\n[source_weights]\nebpf = 0.5\n").unwrap();
         assert_eq!(parsed.dwell_ms, 500);
         assert_eq!(parsed.source_weights.ebpf, 0.5);
         assert_eq!(parsed.source_weights.userspace, 1.0);
@@ -285,9 +330,20 @@ mod tests {
     fn bad_fields_are_named() {
         let e = toml::from_str::<CostModelConfig>("dwel_ms = 5").unwrap_err();
         assert!(e.to_string().contains("dwel_ms"), "{e}");
-        let c = CostModelConfig { band_rel: 1.5, ..Default::default() };
+        let c = CostModelConfig {
+            band_rel: 1.5,
+            ..Default::default()
+        };
         assert!(c.validate().unwrap_err().to_string().contains("band_rel"));
-        let c = CostModelConfig { max_threshold_tokens: 1, ..Default::default() };
-        assert!(c.validate().unwrap_err().to_string().contains("max_threshold_tokens"));
+        let c = CostModelConfig {
+            max_threshold_tokens: 1,
+            ..Default::default()
+        };
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("max_threshold_tokens")
+        );
     }
 }

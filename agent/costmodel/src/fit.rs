@@ -31,6 +31,9 @@
 //! Coefficients are constrained ≥ 0 (a negative one is fixed at 0 and the rest
 //! refitted, as in non-negative least squares).
 
+// Small dense linear algebra reads best with explicit indices.
+#![allow(clippy::needless_range_loop)]
+
 /// Number of coefficients.
 pub(crate) const K: usize = 3;
 
@@ -85,7 +88,11 @@ pub(crate) struct Fit {
 
 /// Solves the `n × n` system `a · x = b` (Gaussian elimination with partial
 /// pivoting). `None` when singular or not finite.
-fn solve_small<const N: usize>(mut a: [[f64; N]; N], mut b: [f64; N], n: usize) -> Option<[f64; N]> {
+fn solve_small<const N: usize>(
+    mut a: [[f64; N]; N],
+    mut b: [f64; N],
+    n: usize,
+) -> Option<[f64; N]> {
     for col in 0..n {
         let piv = (col..n).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
         if !(a[piv][col].abs() > 1e-300) {
@@ -164,41 +171,63 @@ fn wls(rows: &[Row], u: &[f64], free: [bool; K], fixed: [f64; K]) -> Option<([f6
     let mut free = free;
     let mut beta = fixed;
     for _ in 0..=K {
-        let idx: Vec<usize> = (0..K).filter(|&j| free[j]).collect();
-        let n = idx.len();
+        let mut idx = [0usize; K];
+        let mut n = 0;
+        for j in 0..K {
+            if free[j] {
+                idx[n] = j;
+                n += 1;
+            }
+        }
         if n == 0 {
             return Some((beta, free));
         }
-        let mut a = [[0.0; K]; K];
-        let mut b = [0.0; K];
+        let mut fixed_beta = [0.0; K];
+        for j in 0..K {
+            if !free[j] {
+                fixed_beta[j] = beta[j];
+            }
+        }
+        // Accumulate the full K×K normal matrix (cheap, branch-free), then
+        // pick the free block.
+        let mut full = [[0.0; K]; K];
+        let mut rhs = [0.0; K];
         let mut total = 0.0;
         for (r, &ui) in rows.iter().zip(u) {
             if ui <= 0.0 {
                 continue;
             }
             total += ui;
-            let yfix: f64 = (0..K).filter(|&j| !free[j]).map(|j| beta[j] * r.x[j]).sum();
-            let yr = r.y - yfix;
-            for (ii, &i) in idx.iter().enumerate() {
-                for (kk, &k) in idx.iter().enumerate() {
-                    a[ii][kk] += ui * r.x[i] * r.x[k];
+            let x = &r.x;
+            let yr = r.y - (fixed_beta[0] * x[0] + fixed_beta[1] * x[1] + fixed_beta[2] * x[2]);
+            let ux = [ui * x[0], ui * x[1], ui * x[2]];
+            for i in 0..K {
+                for k in i..K {
+                    full[i][k] += ux[i] * x[k];
                 }
-                b[ii] += ui * r.x[i] * yr;
+                rhs[i] += ux[i] * yr;
             }
         }
         if !(total > 0.0) {
             return None;
         }
-        // Tiny ridge for numerical safety only (1e-9 of each diagonal).
+        let mut a = [[0.0; K]; K];
+        let mut b = [0.0; K];
         for ii in 0..n {
+            for kk in 0..n {
+                let (i, k) = (idx[ii].min(idx[kk]), idx[ii].max(idx[kk]));
+                a[ii][kk] = full[i][k];
+            }
+            b[ii] = rhs[idx[ii]];
+            // Tiny ridge for numerical safety only (1e-9 of each diagonal).
             a[ii][ii] *= 1.0 + 1e-9;
         }
         let s = solve_small(a, b, n)?;
         let mut clamped = false;
-        for (ii, &j) in idx.iter().enumerate() {
-            beta[j] = s[ii];
+        for ii in 0..n {
+            beta[idx[ii]] = s[ii];
         }
-        for &j in &idx {
+        for &j in &idx[..n] {
             if beta[j] < 0.0 {
                 beta[j] = 0.0;
                 free[j] = false;
@@ -230,7 +259,7 @@ fn weighted_median(v: &mut [(f64, f64)]) -> f64 {
 }
 
 fn predict(beta: &[f64; K], x: &[f64; K]) -> f64 {
-    beta.iter().zip(x).map(|(b, x)| b * x).sum()
+    beta[0] * x[0] + beta[1] * x[1] + beta[2] * x[2]
 }
 
 /// Covariance of the free coefficients: `A⁻¹ B A⁻¹` with
@@ -288,7 +317,13 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
     let rows: Vec<Row> = rows_in
         .iter()
         .copied()
-        .filter(|r| r.x.iter().all(|v| v.is_finite()) && r.y.is_finite() && r.y > 0.0 && r.w.is_finite() && r.w > 0.0)
+        .filter(|r| {
+            r.x.iter().all(|v| v.is_finite())
+                && r.y.is_finite()
+                && r.y > 0.0
+                && r.w.is_finite()
+                && r.w > 0.0
+        })
         .collect();
     if rows.is_empty() {
         return None;
@@ -312,11 +347,15 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
         }
         None => {
             // Start: relative least squares against the observations.
-            let u0: Vec<f64> = rows.iter().map(|r| r.w / (r.y.max(p.floor_y) * r.y.max(p.floor_y))).collect();
+            let u0: Vec<f64> = rows
+                .iter()
+                .map(|r| r.w / (r.y.max(p.floor_y) * r.y.max(p.floor_y)))
+                .collect();
             wls(&rows, &u0, identified0, fixed)?
         }
     };
-    let huber_iters = if warm.is_some() { 2 } else { HUBER_ITERS };
+    let huber_iters = if warm.is_some() { 1 } else { HUBER_ITERS };
+    let bisquare_iters = if warm.is_some() { 3 } else { BISQUARE_ITERS };
     let mut resid = vec![0.0; rows.len()];
     let mut yhat = vec![0.0; rows.len()];
     let mut u = vec![0.0; rows.len()];
@@ -356,7 +395,7 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
     if huber_iters == 0 {
         sigma = scale(&resid, &mut scratch);
     }
-    for _ in 0..BISQUARE_ITERS {
+    for _ in 0..bisquare_iters {
         for i in 0..rows.len() {
             let z = (resid[i] / sigma).abs();
             let q = if z < BISQUARE_C {
@@ -367,7 +406,9 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
             };
             u[i] = rows[i].w * q / (yhat[i] * yhat[i]);
         }
-        let Some((b, f)) = wls(&rows, &u, identified0, fixed) else { break };
+        let Some((b, f)) = wls(&rows, &u, identified0, fixed) else {
+            break;
+        };
         let change = b
             .iter()
             .zip(&beta)
@@ -376,7 +417,7 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
         beta = b;
         free = f;
         residuals(&beta, &mut resid, &mut yhat);
-        if change < 1e-7 {
+        if change < 1e-6 {
             break;
         }
     }
@@ -415,7 +456,12 @@ mod tests {
     use super::*;
 
     fn params(prior: [f64; K]) -> FitParams {
-        FitParams { prior, min_pivot: 0.01, min_sigma: 1e-3, floor_y: 1e-6 }
+        FitParams {
+            prior,
+            min_pivot: 0.01,
+            min_sigma: 1e-3,
+            floor_y: 1e-6,
+        }
     }
 
     #[test]
@@ -424,12 +470,19 @@ mod tests {
         let rows: Vec<Row> = (1..40)
             .map(|i| {
                 let x = [1.0, i as f64 * 3.0, ((i * 7) % 11) as f64 * 10.0];
-                Row { x, y: predict(&truth, &x), w: 1.0 }
+                Row {
+                    x,
+                    y: predict(&truth, &x),
+                    w: 1.0,
+                }
             })
             .collect();
         let f = robust_fit(&rows, &params([0.0; K]), None).unwrap();
         for j in 0..K {
-            assert!((f.beta[j] - truth[j]).abs() < 1e-6 * truth[j].max(1.0), "{f:?}");
+            assert!(
+                (f.beta[j] - truth[j]).abs() < 1e-6 * truth[j].max(1.0),
+                "{f:?}"
+            );
         }
         assert_eq!(f.identified, [true; K]);
         assert_eq!(f.rejected, 0);
@@ -437,7 +490,13 @@ mod tests {
 
     #[test]
     fn constant_size_fixes_slope_at_prior() {
-        let rows: Vec<Row> = (0..20).map(|_| Row { x: [1.0, 100.0, 1.0], y: 12.0, w: 1.0 }).collect();
+        let rows: Vec<Row> = (0..20)
+            .map(|_| Row {
+                x: [1.0, 100.0, 1.0],
+                y: 12.0,
+                w: 1.0,
+            })
+            .collect();
         let f = robust_fit(&rows, &params([0.0, 0.1, 0.0]), None).unwrap();
         assert_eq!(f.identified, [true, false, false]);
         assert!((f.beta[1] - 0.1).abs() < 1e-12);
@@ -455,7 +514,10 @@ mod tests {
             })
             .collect();
         let f = robust_fit(&rows, &params([0.0; K]), None).unwrap();
-        assert!((f.beta[0] - 5.0).abs() < 1e-3 && (f.beta[1] - 0.2).abs() < 1e-5, "{f:?}");
+        assert!(
+            (f.beta[0] - 5.0).abs() < 1e-3 && (f.beta[1] - 0.2).abs() < 1e-5,
+            "{f:?}"
+        );
         assert_eq!(f.rejected, 5);
     }
 }

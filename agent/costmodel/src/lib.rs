@@ -22,6 +22,9 @@
 //! hysteresis, bounds and a confidence (see the `threshold` module for the
 //! policy and its reasons).
 #![deny(missing_docs)]
+// `!(x > 0.0)` is used on purpose: it is true for NaN, which must take the
+// same branch as a non-positive value.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
 
 mod breakeven;
 mod config;
@@ -32,11 +35,14 @@ mod threshold;
 mod time;
 
 pub use breakeven::{
-    KvShape, PrefillCoefficients, TransferCoefficients, break_even_se_tokens, break_even_tokens, clamp_threshold, router_coefficients,
+    KvShape, PrefillCoefficients, TransferCoefficients, break_even_se_tokens, break_even_tokens,
+    clamp_threshold, router_coefficients,
 };
 pub use config::{ConfigError, CostModelConfig, SourceWeights, VLLM_STATIC_THRESHOLD_TOKENS};
 pub use kvloop_router_api::{CostModelCoefficients, PairThreshold};
 pub use model::{CostModel, Explain, FitSummary, PairChange, PairSpec, PrefillFit, TransferFit};
-pub use samples::{ChangePoint, Direction, PrefillSample, SampleError, SampleSource, SourceStats, TransferSample};
+pub use samples::{
+    ChangePoint, Direction, PrefillSample, SampleError, SampleSource, SourceStats, TransferSample,
+};
 pub use threshold::{CauseKind, ChangeReason, PendingMove, ThresholdChange, ThresholdState};
 pub use time::Instant;

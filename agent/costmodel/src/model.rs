@@ -2,13 +2,17 @@
 //! prefill models per local prefill engine, thresholds per (P, D) pair.
 
 use crate::breakeven::{
-    KvShape, PrefillCoefficients, TransferCoefficients, break_even_se_tokens, router_coefficients, router_xfer_cov,
+    KvShape, PrefillCoefficients, TransferCoefficients, break_even_se_tokens, router_coefficients,
+    router_xfer_cov,
 };
 use crate::config::{ConfigError, CostModelConfig};
 use crate::samples::{
-    ChangePoint, Direction, PrefillSample, Sample, SampleError, SampleModel, SampleSource, SourceStats, TransferSample, invalid,
+    ChangePoint, Direction, PrefillSample, Sample, SampleError, SampleModel, SampleSource,
+    SourceStats, TransferSample, invalid,
 };
-use crate::threshold::{PairThresholdState, PendingMove, ThresholdChange, ThresholdState, estimate};
+use crate::threshold::{
+    PairThresholdState, PendingMove, ThresholdChange, ThresholdState, estimate,
+};
 use crate::time::Instant;
 use kvloop_router_api::{CostModelCoefficients, PairThreshold};
 use serde::{Deserialize, Serialize};
@@ -188,7 +192,10 @@ impl CostModel {
     /// Adds or replaces a pair (a replaced pair keeps its threshold state).
     pub fn upsert_pair(&mut self, spec: PairSpec) -> Result<(), SampleError> {
         spec.validate()?;
-        let key = (spec.prefill_engine_id.clone(), spec.decode_engine_id.clone());
+        let key = (
+            spec.prefill_engine_id.clone(),
+            spec.decode_engine_id.clone(),
+        );
         match self.pairs.get_mut(&key) {
             Some(p) => p.spec = spec,
             None => {
@@ -201,7 +208,9 @@ impl CostModel {
 
     /// Removes a pair; `true` if it existed.
     pub fn remove_pair(&mut self, prefill_engine_id: &str, decode_engine_id: &str) -> bool {
-        self.pairs.remove(&(prefill_engine_id.to_string(), decode_engine_id.to_string())).is_some()
+        self.pairs
+            .remove(&(prefill_engine_id.to_string(), decode_engine_id.to_string()))
+            .is_some()
     }
 
     /// Records a timed READ with `peer` in `direction`. Errors name the bad field.
@@ -215,17 +224,32 @@ impl CostModel {
             return Err(invalid("transfer", "peer", "\"\"", "a non-empty peer id"));
         }
         sample.validate()?;
-        self.transfers.entry((peer.to_string(), direction)).or_default().push(sample, &self.config);
+        self.transfers
+            .entry((peer.to_string(), direction))
+            .or_default()
+            .push(sample, &self.config);
         Ok(())
     }
 
     /// Records a timed prefill of a local prefill engine. Errors name the bad field.
-    pub fn record_prefill(&mut self, prefill_engine_id: &str, sample: PrefillSample) -> Result<(), SampleError> {
+    pub fn record_prefill(
+        &mut self,
+        prefill_engine_id: &str,
+        sample: PrefillSample,
+    ) -> Result<(), SampleError> {
         if prefill_engine_id.is_empty() {
-            return Err(invalid("prefill", "prefill_engine_id", "\"\"", "a non-empty engine id"));
+            return Err(invalid(
+                "prefill",
+                "prefill_engine_id",
+                "\"\"",
+                "a non-empty engine id",
+            ));
         }
         sample.validate()?;
-        self.prefills.entry(prefill_engine_id.to_string()).or_default().push(sample, &self.config);
+        self.prefills
+            .entry(prefill_engine_id.to_string())
+            .or_default()
+            .push(sample, &self.config);
         Ok(())
     }
 
@@ -243,11 +267,13 @@ impl CostModel {
             .values_mut()
             .filter(|p| p.spec.decode_peer == peer)
             .filter_map(|p| {
-                p.state.invalidate(now, cfg, detail).map(|change| PairChange {
-                    prefill_engine_id: p.spec.prefill_engine_id.clone(),
-                    decode_engine_id: p.spec.decode_engine_id.clone(),
-                    change,
-                })
+                p.state
+                    .invalidate(now, cfg, detail)
+                    .map(|change| PairChange {
+                        prefill_engine_id: p.spec.prefill_engine_id.clone(),
+                        decode_engine_id: p.spec.decode_engine_id.clone(),
+                        change,
+                    })
             })
             .collect()
     }
@@ -262,20 +288,35 @@ impl CostModel {
     /// returns the threshold changes.
     pub fn update(&mut self, now: Instant) -> Vec<PairChange> {
         let cfg = &self.config;
-        let prior_x = [0.0, 1e3 / cfg.prior_bandwidth_bytes_per_s, cfg.prior_per_descriptor_ms];
+        let prior_x = [
+            0.0,
+            1e3 / cfg.prior_bandwidth_bytes_per_s,
+            cfg.prior_per_descriptor_ms,
+        ];
         let hl_x = Duration::from_millis(cfg.transfer_half_life_ms);
         for m in self.transfers.values_mut() {
             m.refit(now, hl_x, cfg, prior_x, [1.0, PENALTY_BANDWIDTH, 1.0]);
         }
-        let prior_p = [0.0, cfg.prior_prefill_ms_per_token, cfg.prior_prefill_ms_per_token_ctx];
+        let prior_p = [
+            0.0,
+            cfg.prior_prefill_ms_per_token,
+            cfg.prior_prefill_ms_per_token_ctx,
+        ];
         let hl_p = Duration::from_millis(cfg.prefill_half_life_ms);
         for m in self.prefills.values_mut() {
-            m.refit(now, hl_p, cfg, prior_p, [1.0, PENALTY_PREFILL_LINEAR, PENALTY_PREFILL_CTX]);
+            m.refit(
+                now,
+                hl_p,
+                cfg,
+                prior_p,
+                [1.0, PENALTY_PREFILL_LINEAR, PENALTY_PREFILL_CTX],
+            );
         }
         self.last_update = Some(now);
         let mut changes = Vec::new();
         for pair in self.pairs.values_mut() {
-            let est = pair_coefficients(&self.transfers, &self.prefills, &pair.spec).map(|(c, se, epoch)| estimate(c, se, epoch, cfg));
+            let est = pair_coefficients(&self.transfers, &self.prefills, &pair.spec)
+                .map(|(c, se, epoch)| estimate(c, se, epoch, cfg));
             if let Some(change) = pair.state.step(now, cfg, est) {
                 changes.push(PairChange {
                     prefill_engine_id: pair.spec.prefill_engine_id.clone(),
@@ -289,7 +330,8 @@ impl CostModel {
 
     /// Published threshold of a pair, tokens.
     pub fn threshold_tokens(&self, prefill_engine_id: &str, decode_engine_id: &str) -> Option<u64> {
-        self.pair(prefill_engine_id, decode_engine_id).map(|p| p.state.published)
+        self.pair(prefill_engine_id, decode_engine_id)
+            .map(|p| p.state.published)
     }
 
     fn pair(&self, p: &str, d: &str) -> Option<&Pair> {
@@ -310,28 +352,48 @@ impl CostModel {
                 valid_for_ms,
                 model: match p.state.state {
                     ThresholdState::Invalidated => None,
-                    _ => p.state.last_estimate.as_ref().map(|e| e.coefficients.clone()),
+                    _ => p
+                        .state
+                        .last_estimate
+                        .as_ref()
+                        .map(|e| e.coefficients.clone()),
                 },
             })
             .collect()
     }
 
     /// Current transfer fit of (`peer`, `direction`).
-    pub fn transfer_fit(&self, peer: &str, direction: Direction, now: Instant) -> Option<TransferFit> {
+    pub fn transfer_fit(
+        &self,
+        peer: &str,
+        direction: Direction,
+        now: Instant,
+    ) -> Option<TransferFit> {
         let m = self.transfers.get(&(peer.to_string(), direction))?;
         let mf = m.fit.as_ref()?;
-        Some(TransferFit { coefficients: transfer_coefficients(m)?, summary: summary(m, &mf.fit, mf.confidence, now) })
+        Some(TransferFit {
+            coefficients: transfer_coefficients(m)?,
+            summary: summary(m, &mf.fit, mf.confidence, now),
+        })
     }
 
     /// Current prefill fit of a local prefill engine.
     pub fn prefill_fit(&self, prefill_engine_id: &str, now: Instant) -> Option<PrefillFit> {
         let m = self.prefills.get(prefill_engine_id)?;
         let mf = m.fit.as_ref()?;
-        Some(PrefillFit { coefficients: prefill_coefficients(m)?, summary: summary(m, &mf.fit, mf.confidence, now) })
+        Some(PrefillFit {
+            coefficients: prefill_coefficients(m)?,
+            summary: summary(m, &mf.fit, mf.confidence, now),
+        })
     }
 
     /// Explanation of a pair's threshold (for `kvloop explain --pair P,D`).
-    pub fn explain(&self, prefill_engine_id: &str, decode_engine_id: &str, now: Instant) -> Option<Explain> {
+    pub fn explain(
+        &self,
+        prefill_engine_id: &str,
+        decode_engine_id: &str,
+        now: Instant,
+    ) -> Option<Explain> {
         let p = self.pair(prefill_engine_id, decode_engine_id)?;
         let est = p.state.last_estimate.as_ref();
         Some(Explain {
@@ -353,7 +415,12 @@ impl CostModel {
     }
 }
 
-fn summary<S: Sample>(m: &SampleModel<S>, f: &crate::fit::Fit, confidence: f64, now: Instant) -> FitSummary {
+fn summary<S: Sample>(
+    m: &SampleModel<S>,
+    f: &crate::fit::Fit,
+    confidence: f64,
+    now: Instant,
+) -> FitSummary {
     FitSummary {
         samples: m.samples.len(),
         inliers: f.inliers,
@@ -369,12 +436,20 @@ fn summary<S: Sample>(m: &SampleModel<S>, f: &crate::fit::Fit, confidence: f64, 
 
 fn transfer_coefficients(m: &SampleModel<TransferSample>) -> Option<TransferCoefficients> {
     let b = m.fit.as_ref()?.fit.beta;
-    Some(TransferCoefficients { fixed_ms: b[0], ms_per_byte: b[1], ms_per_descriptor: b[2] })
+    Some(TransferCoefficients {
+        fixed_ms: b[0],
+        ms_per_byte: b[1],
+        ms_per_descriptor: b[2],
+    })
 }
 
 fn prefill_coefficients(m: &SampleModel<PrefillSample>) -> Option<PrefillCoefficients> {
     let b = m.fit.as_ref()?.fit.beta;
-    Some(PrefillCoefficients { p0_ms: b[0], ms_per_token: b[1], ms_per_token_ctx: b[2] })
+    Some(PrefillCoefficients {
+        p0_ms: b[0],
+        ms_per_token: b[1],
+        ms_per_token_ctx: b[2],
+    })
 }
 
 /// Router-form coefficients of a pair and the standard error of its
@@ -411,7 +486,11 @@ impl fmt::Display for Explain {
             self.pair.shape.block_size_tokens,
             self.pair.shape.regions_per_block
         )?;
-        writeln!(f, "threshold: {} tokens ({:?})", self.threshold_tokens, self.state)?;
+        writeln!(
+            f,
+            "threshold: {} tokens ({:?})",
+            self.threshold_tokens, self.state
+        )?;
         match (self.estimate_tokens, self.break_even_tokens) {
             (Some(e), Some(b)) => writeln!(
                 f,
@@ -421,7 +500,12 @@ impl fmt::Display for Explain {
             (Some(e), None) => writeln!(f, "estimate:  {e} tokens (READ never wins: clamped)")?,
             _ => writeln!(f, "estimate:  none (not enough samples)")?,
         }
-        writeln!(f, "confidence {:.2}, hysteresis band ±{:.0} %", self.confidence, self.band_rel * 100.0)?;
+        writeln!(
+            f,
+            "confidence {:.2}, hysteresis band ±{:.0} %",
+            self.confidence,
+            self.band_rel * 100.0
+        )?;
         if let Some(p) = &self.pending {
             writeln!(
                 f,
@@ -435,7 +519,10 @@ impl fmt::Display for Explain {
             writeln!(
                 f,
                 "model:     t_xfer(r) = {:.3} ms + r × {:.5} ms;  t_recompute(r) = r × ({:.5} + {:.3e} × r/2) ms",
-                c.xfer_fixed_ms, c.xfer_ms_per_token, c.prefill_ms_per_token, c.prefill_ms_per_token_ctx
+                c.xfer_fixed_ms,
+                c.xfer_ms_per_token,
+                c.prefill_ms_per_token,
+                c.prefill_ms_per_token_ctx
             )?;
         }
         let change_point = |f: &mut fmt::Formatter<'_>, s: &FitSummary| -> fmt::Result {
@@ -473,9 +560,17 @@ impl fmt::Display for Explain {
                 "transfer:  a = {:.3} ms, B = {:.3} GB/s{}, c = {:.2e} ms/descriptor{}; conf {:.2}, residual ±{:.0} %, {} inliers, {} rejected",
                 c.fixed_ms,
                 c.bandwidth_bytes_per_s() / 1e9,
-                if t.summary.identified[1] { "" } else { " (prior)" },
+                if t.summary.identified[1] {
+                    ""
+                } else {
+                    " (prior)"
+                },
                 c.ms_per_descriptor,
-                if t.summary.identified[2] { "" } else { " (fixed)" },
+                if t.summary.identified[2] {
+                    ""
+                } else {
+                    " (fixed)"
+                },
                 t.summary.confidence,
                 t.summary.residual_rel * 100.0,
                 t.summary.inliers,
@@ -513,16 +608,26 @@ impl fmt::Display for Explain {
                 h.to_tokens,
                 h.confidence,
                 match &h.reason {
-                    crate::threshold::ChangeReason::FirstEstimate => "first confident estimate".to_string(),
-                    crate::threshold::ChangeReason::OutsideBand { band_rel, outside_for_ms, cause, detail } => format!(
+                    crate::threshold::ChangeReason::FirstEstimate =>
+                        "first confident estimate".to_string(),
+                    crate::threshold::ChangeReason::OutsideBand {
+                        band_rel,
+                        outside_for_ms,
+                        cause,
+                        detail,
+                    } => format!(
                         "outside ±{:.0} % for {:.1} s; cause {:?}: {}",
                         band_rel * 100.0,
                         outside_for_ms / 1e3,
                         cause,
                         detail
                     ),
-                    crate::threshold::ChangeReason::PathInvalidated { detail } => format!("path invalidated: {detail}"),
-                    crate::threshold::ChangeReason::Refined { from_se_rel, to_se_rel } => format!(
+                    crate::threshold::ChangeReason::PathInvalidated { detail } =>
+                        format!("path invalidated: {detail}"),
+                    crate::threshold::ChangeReason::Refined {
+                        from_se_rel,
+                        to_se_rel,
+                    } => format!(
                         "refined: standard error ±{:.1} % → ±{:.1} %",
                         from_se_rel * 100.0,
                         to_se_rel * 100.0

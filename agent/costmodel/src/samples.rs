@@ -21,7 +21,11 @@ pub enum SampleSource {
 
 impl SampleSource {
     /// All sources, in display order.
-    pub const ALL: [SampleSource; 3] = [SampleSource::Ebpf, SampleSource::Userspace, SampleSource::ActiveProbe];
+    pub const ALL: [SampleSource; 3] = [
+        SampleSource::Ebpf,
+        SampleSource::Userspace,
+        SampleSource::ActiveProbe,
+    ];
 }
 
 /// Direction of a transfer relative to this node.
@@ -83,8 +87,18 @@ pub enum SampleError {
     },
 }
 
-pub(crate) fn invalid(kind: &'static str, field: &'static str, value: impl ToString, expected: &'static str) -> SampleError {
-    SampleError::Invalid { kind, field, value: value.to_string(), expected }
+pub(crate) fn invalid(
+    kind: &'static str,
+    field: &'static str,
+    value: impl ToString,
+    expected: &'static str,
+) -> SampleError {
+    SampleError::Invalid {
+        kind,
+        field,
+        value: value.to_string(),
+        expected,
+    }
 }
 
 /// What the fitting machinery needs from a sample.
@@ -101,7 +115,12 @@ impl TransferSample {
             return Err(invalid("transfer", "bytes", 0, "at least 1 byte"));
         }
         if self.descriptors == 0 {
-            return Err(invalid("transfer", "descriptors", 0, "at least 1 descriptor"));
+            return Err(invalid(
+                "transfer",
+                "descriptors",
+                0,
+                "at least 1 descriptor",
+            ));
         }
         if self.latency.is_zero() {
             return Err(invalid("transfer", "latency", "0 ns", "a duration > 0"));
@@ -119,7 +138,10 @@ impl Sample for TransferSample {
     }
     /// `latency_ms ≈ fixed_ms + bytes · ms_per_byte + descriptors · ms_per_descriptor`.
     fn row(&self) -> ([f64; K], f64) {
-        ([1.0, self.bytes as f64, self.descriptors as f64], ms(self.latency))
+        (
+            [1.0, self.bytes as f64, self.descriptors as f64],
+            ms(self.latency),
+        )
     }
 }
 
@@ -264,10 +286,13 @@ impl<S: Sample> SampleModel<S> {
     /// until `max_sample_age_ms`.
     fn prune(&mut self, now: Instant, half_life: Duration, cfg: &CostModelConfig) {
         let max_age = Duration::from_millis(cfg.max_sample_age_ms);
-        let Some(newest) = self.samples.iter().map(|s| s.at()).max() else { return };
+        let Some(newest) = self.samples.iter().map(|s| s.at()).max() else {
+            return;
+        };
         let max_spread = half_life.saturating_mul(13);
         self.samples.retain(|s| {
-            now.saturating_duration_since(s.at()) <= max_age && newest.saturating_duration_since(s.at()) <= max_spread
+            now.saturating_duration_since(s.at()) <= max_age
+                && newest.saturating_duration_since(s.at()) <= max_spread
         });
     }
 
@@ -287,7 +312,12 @@ impl<S: Sample> SampleModel<S> {
         sorted.sort_by_key(|s| s.at());
         for s in &sorted {
             let (x, y) = s.row();
-            let yhat: f64 = beta.iter().zip(&x).map(|(b, x)| b * x).sum::<f64>().max(1e-6);
+            let yhat: f64 = beta
+                .iter()
+                .zip(&x)
+                .map(|(b, x)| b * x)
+                .sum::<f64>()
+                .max(1e-6);
             let z = ((y - yhat) / yhat / sigma).clamp(-CUSUM_CLIP, CUSUM_CLIP);
             let c = &mut self.cusum;
             if c.pos == 0.0 {
@@ -311,8 +341,12 @@ impl<S: Sample> SampleModel<S> {
             let before = self.samples.len();
             self.samples.retain(|s| s.at() >= since);
             self.cusum = Cusum::default();
-            self.last_change_point =
-                Some(ChangePoint { detected_at: now, since, slower, dropped: before - self.samples.len() });
+            self.last_change_point = Some(ChangePoint {
+                detected_at: now,
+                since,
+                slower,
+                dropped: before - self.samples.len(),
+            });
             self.change_epoch += 1;
             return true;
         }
@@ -330,7 +364,11 @@ impl<S: Sample> SampleModel<S> {
         penalty: Penalty,
     ) {
         let changed = self.detect_change(now, cfg);
-        let warm = if changed { None } else { self.fit.as_ref().map(|m| m.fit.beta) };
+        let warm = if changed {
+            None
+        } else {
+            self.fit.as_ref().map(|m| m.fit.beta)
+        };
         self.prune(now, half_life, cfg);
         if self.samples.len() < cfg.min_samples {
             self.fit = None;
@@ -352,7 +390,11 @@ impl<S: Sample> SampleModel<S> {
                     SampleSource::Userspace => cfg.source_weights.userspace,
                     SampleSource::ActiveProbe => cfg.source_weights.active_probe,
                 };
-                Row { x, y, w: sw * (-(age / hl) * std::f64::consts::LN_2).exp() }
+                Row {
+                    x,
+                    y,
+                    w: sw * (-(age / hl) * std::f64::consts::LN_2).exp(),
+                }
             })
             .collect();
         let mut prior = config_prior;
@@ -363,7 +405,12 @@ impl<S: Sample> SampleModel<S> {
                 from_last_good[j] = true;
             }
         }
-        let params = FitParams { prior, min_pivot: cfg.min_pivot, min_sigma: 0.01, floor_y: 1e-6 };
+        let params = FitParams {
+            prior,
+            min_pivot: cfg.min_pivot,
+            min_sigma: 0.01,
+            floor_y: 1e-6,
+        };
         let Some(f) = fit::robust_fit(&rows, &params, warm) else {
             self.fit = None;
             return;
@@ -375,13 +422,21 @@ impl<S: Sample> SampleModel<S> {
         let mut ident = 1.0;
         for j in 0..K {
             if !f.identified[j] {
-                ident *= if from_last_good[j] { (1.0 + penalty[j]) / 2.0 } else { penalty[j] };
+                ident *= if from_last_good[j] {
+                    (1.0 + penalty[j]) / 2.0
+                } else {
+                    penalty[j]
+                };
             }
         }
         let noise = 1.0 / (1.0 + (f.sigma_rel / 0.5).powi(2));
         let confidence = (count * stale * ident * noise).clamp(0.0, 1.0);
+        // A coefficient becomes the "last good" value (the prior when the data
+        // stop identifying it) only when it is well determined: relative
+        // standard error at most 10 %.
         for j in 0..K {
-            if f.identified[j] {
+            let se = f.cov[j][j].max(0.0).sqrt();
+            if f.identified[j] && f.beta[j] > 0.0 && se <= 0.1 * f.beta[j] {
                 self.last_good[j] = Some(f.beta[j]);
             }
         }

@@ -157,14 +157,18 @@ pub(crate) struct PairThresholdState {
 }
 
 fn pct(old: f64, new: f64) -> String {
-    if old > 0.0 { format!("{:+.0} %", (new / old - 1.0) * 100.0) } else { "new".into() }
+    if old > 0.0 {
+        format!("{:+.0} %", (new / old - 1.0) * 100.0)
+    } else {
+        "new".into()
+    }
 }
 
 /// Which coefficient group explains most of the move from `old` to `new`.
 fn attribute(old: &CostModelCoefficients, new: &CostModelCoefficients) -> (CauseKind, String) {
     let r_new = break_even_tokens(new);
     let ln = |a: f64, b: f64| {
-        let (a, b) = (a.min(1e12).max(1.0), b.min(1e12).max(1.0));
+        let (a, b) = (a.clamp(1.0, 1e12), b.clamp(1.0, 1e12));
         (a / b).ln().abs()
     };
     let mut fixed = new.clone();
@@ -208,14 +212,19 @@ fn attribute(old: &CostModelCoefficients, new: &CostModelCoefficients) -> (Cause
             ),
         ),
     ];
-    let best = cands.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).expect("three candidates");
+    let best = cands
+        .into_iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("three candidates");
     (best.0, best.2)
 }
 
 impl PairThresholdState {
     pub fn new(cfg: &CostModelConfig) -> Self {
         PairThresholdState {
-            published: cfg.static_default_tokens.clamp(cfg.min_threshold_tokens, cfg.max_threshold_tokens),
+            published: cfg
+                .static_default_tokens
+                .clamp(cfg.min_threshold_tokens, cfg.max_threshold_tokens),
             state: ThresholdState::StaticDefault,
             published_coefficients: None,
             pending: None,
@@ -237,7 +246,12 @@ impl PairThresholdState {
     }
 
     /// Invalidates the path: publishes `max_threshold_tokens` at once.
-    pub fn invalidate(&mut self, now: Instant, cfg: &CostModelConfig, detail: &str) -> Option<ThresholdChange> {
+    pub fn invalidate(
+        &mut self,
+        now: Instant,
+        cfg: &CostModelConfig,
+        detail: &str,
+    ) -> Option<ThresholdChange> {
         let from = self.published;
         self.state = ThresholdState::Invalidated;
         self.pending = None;
@@ -253,7 +267,9 @@ impl PairThresholdState {
                     to_tokens: cfg.max_threshold_tokens,
                     break_even_tokens: None,
                     confidence: 0.0,
-                    reason: ChangeReason::PathInvalidated { detail: detail.to_string() },
+                    reason: ChangeReason::PathInvalidated {
+                        detail: detail.to_string(),
+                    },
                 },
             )
         })
@@ -261,7 +277,12 @@ impl PairThresholdState {
 
     /// Advances the hysteresis with the estimate at `now`; returns the change
     /// if the published threshold moved.
-    pub fn step(&mut self, now: Instant, cfg: &CostModelConfig, est: Option<Estimate>) -> Option<ThresholdChange> {
+    pub fn step(
+        &mut self,
+        now: Instant,
+        cfg: &CostModelConfig,
+        est: Option<Estimate>,
+    ) -> Option<ThresholdChange> {
         self.last_estimate = est.clone();
         let Some(est) = est else {
             self.pending = None;
@@ -271,8 +292,8 @@ impl PairThresholdState {
             return None;
         };
         let conf = est.coefficients.confidence;
-        self.band_rel =
-            (cfg.band_rel.max(cfg.band_sigmas * est.se_rel) / conf.max(1e-6)).clamp(cfg.band_rel, cfg.max_band_rel);
+        self.band_rel = (cfg.band_rel.max(cfg.band_sigmas * est.se_rel) / conf.max(1e-6))
+            .clamp(cfg.band_rel, cfg.max_band_rel);
         if conf < cfg.min_confidence {
             self.pending = None;
             if self.state == ThresholdState::Estimated {
@@ -332,7 +353,11 @@ impl PairThresholdState {
                 Some(pm) if pm.upward == upward => pm.since,
                 _ => now,
             };
-            self.pending = Some(PendingMove { since, upward, estimate_tokens: est.tokens });
+            self.pending = Some(PendingMove {
+                since,
+                upward,
+                estimate_tokens: est.tokens,
+            });
             now.saturating_duration_since(since)
         } else {
             Duration::ZERO
@@ -342,7 +367,10 @@ impl PairThresholdState {
         }
         let (cause, detail) = match &self.published_coefficients {
             Some(old) => attribute(old, &est.coefficients),
-            None => (CauseKind::TransferPerTokenCost, "no earlier model".to_string()),
+            None => (
+                CauseKind::TransferPerTokenCost,
+                "no earlier model".to_string(),
+            ),
         };
         let reason = if outside {
             ChangeReason::OutsideBand {
@@ -352,7 +380,10 @@ impl PairThresholdState {
                 detail,
             }
         } else {
-            ChangeReason::Refined { from_se_rel: self.published_se_rel, to_se_rel: est.se_rel }
+            ChangeReason::Refined {
+                from_se_rel: self.published_se_rel,
+                to_se_rel: est.se_rel,
+            }
         };
         self.pending = None;
         self.published_coefficients = Some(est.coefficients.clone());
@@ -373,9 +404,18 @@ impl PairThresholdState {
 }
 
 /// Builds an [`Estimate`] from router-form coefficients, clamped to the config bounds.
-pub(crate) fn estimate(c: CostModelCoefficients, se_tokens: f64, epoch: (u64, u64), cfg: &CostModelConfig) -> Estimate {
+pub(crate) fn estimate(
+    c: CostModelCoefficients,
+    se_tokens: f64,
+    epoch: (u64, u64),
+    cfg: &CostModelConfig,
+) -> Estimate {
     let raw = break_even_tokens(&c);
-    let se_rel = if raw.is_finite() && raw > 0.0 { (se_tokens / raw).min(1.0) } else { 0.0 };
+    let se_rel = if raw.is_finite() && raw > 0.0 {
+        (se_tokens / raw).min(1.0)
+    } else {
+        0.0
+    };
     Estimate {
         se_rel,
         epoch,

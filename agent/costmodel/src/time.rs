@@ -8,7 +8,9 @@ use std::time::Duration;
 /// caller (in the agent: a monotonic clock read at the edge; in tests: a
 /// simulated clock). Only differences between two `Instant`s of the same
 /// caller are meaningful; they are never compared across processes or hosts.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(transparent)]
 pub struct Instant(pub u64);
 
@@ -42,14 +44,20 @@ impl Instant {
 impl Add<Duration> for Instant {
     type Output = Instant;
     fn add(self, rhs: Duration) -> Instant {
-        Instant(self.0.saturating_add(u64::try_from(rhs.as_nanos()).unwrap_or(u64::MAX)))
+        Instant(
+            self.0
+                .saturating_add(u64::try_from(rhs.as_nanos()).unwrap_or(u64::MAX)),
+        )
     }
 }
 
 impl Sub<Duration> for Instant {
     type Output = Instant;
     fn sub(self, rhs: Duration) -> Instant {
-        Instant(self.0.saturating_sub(u64::try_from(rhs.as_nanos()).unwrap_or(u64::MAX)))
+        Instant(
+            self.0
+                .saturating_sub(u64::try_from(rhs.as_nanos()).unwrap_or(u64::MAX)),
+        )
     }
 }
 
@@ -68,6 +76,9 @@ mod tests {
         assert_eq!((t + Duration::from_millis(1)).as_nanos(), 6_000_000);
         assert_eq!(t - Duration::from_secs(1), Instant::ZERO);
         assert_eq!(Instant::ZERO.saturating_duration_since(t), Duration::ZERO);
-        assert_eq!(Instant(u64::MAX) + Duration::from_secs(1), Instant(u64::MAX));
+        assert_eq!(
+            Instant(u64::MAX) + Duration::from_secs(1),
+            Instant(u64::MAX)
+        );
     }
 }

@@ -11,33 +11,55 @@ use std::time::Duration;
 /// × 2 (K, V) × 2 bytes (source: Qwen/Qwen3-32B `config.json`).
 pub const QWEN3_32B_BYTES_PER_TOKEN: u64 = 64 * 8 * 128 * 2 * 2;
 
-pub const SHAPE: KvShape =
-    KvShape { bytes_per_token: QWEN3_32B_BYTES_PER_TOKEN, block_size_tokens: 16, regions_per_block: 128 };
+pub const SHAPE: KvShape = KvShape {
+    bytes_per_token: QWEN3_32B_BYTES_PER_TOKEN,
+    block_size_tokens: 16,
+    regions_per_block: 128,
+};
 
 /// Prefill of Qwen3-32B on one H200-class GPU (TP=1): ~0.16 ms/token
 /// (64 GFLOP/token at ~400 TFLOP/s), attention 4·64 layers·64 heads·128 dim
 /// FLOP per token pair ≈ 5e-6 ms at that rate; 10 ms per request.
-pub const PREFILL_TP1: PrefillCoefficients =
-    PrefillCoefficients { p0_ms: 10.0, ms_per_token: 0.16, ms_per_token_ctx: 5e-6 };
+pub const PREFILL_TP1: PrefillCoefficients = PrefillCoefficients {
+    p0_ms: 10.0,
+    ms_per_token: 0.16,
+    ms_per_token_ctx: 5e-6,
+};
 /// The same on 8 GPUs (TP=8): 8× faster per token (24k tokens ≈ 0.7 s,
 /// close to the public 778 ms TTFT at 24k tokens).
-pub const PREFILL_TP8: PrefillCoefficients =
-    PrefillCoefficients { p0_ms: 5.0, ms_per_token: 0.02, ms_per_token_ctx: 0.65e-6 };
+pub const PREFILL_TP8: PrefillCoefficients = PrefillCoefficients {
+    p0_ms: 5.0,
+    ms_per_token: 0.02,
+    ms_per_token_ctx: 0.65e-6,
+};
 
 /// Transfer truth for a link of `gbit_per_s`: 10 ms fixed cost per READ,
 /// 0.5 µs per descriptor.
 pub fn link(gbit_per_s: f64) -> TransferCoefficients {
-    TransferCoefficients { fixed_ms: 10.0, ms_per_byte: 1e3 / (gbit_per_s * 1e9 / 8.0), ms_per_descriptor: 5e-4 }
+    TransferCoefficients {
+        fixed_ms: 10.0,
+        ms_per_byte: 1e3 / (gbit_per_s * 1e9 / 8.0),
+        ms_per_descriptor: 5e-4,
+    }
 }
 
 /// True break-even by brute force with the exact descriptor count
 /// `ceil(R/block) × regions`: the first R at which recompute ≥ READ,
 /// clamped to `[min, max]`.
-pub fn true_threshold(x: &TransferCoefficients, p: &PrefillCoefficients, s: &KvShape, min: u64, max: u64) -> u64 {
+pub fn true_threshold(
+    x: &TransferCoefficients,
+    p: &PrefillCoefficients,
+    s: &KvShape,
+    min: u64,
+    max: u64,
+) -> u64 {
     (min..=max)
         .find(|&r| {
             p.recompute_ms(r as f64)
-                >= x.predict_ms(r * s.bytes_per_token, r.div_ceil(s.block_size_tokens) * s.regions_per_block)
+                >= x.predict_ms(
+                    r * s.bytes_per_token,
+                    r.div_ceil(s.block_size_tokens) * s.regions_per_block,
+                )
         })
         .unwrap_or(max)
 }
@@ -102,7 +124,12 @@ pub struct Sim {
 const PROBE_BLOCKS: [u64; 4] = [1, 64, 8, 256];
 
 impl Sim {
-    pub fn new(params: SimParams, cfg: CostModelConfig, xfer: TransferCoefficients, prefill: PrefillCoefficients) -> Sim {
+    pub fn new(
+        params: SimParams,
+        cfg: CostModelConfig,
+        xfer: TransferCoefficients,
+        prefill: PrefillCoefficients,
+    ) -> Sim {
         let mut model = CostModel::new(cfg).expect("valid config");
         model
             .upsert_pair(PairSpec {
@@ -137,7 +164,10 @@ impl Sim {
     }
 
     fn noisy(&mut self, ms: f64) -> Duration {
-        let mut f = 1.0 + self.rng.random_range(-self.params.noise_rel..=self.params.noise_rel);
+        let mut f = 1.0
+            + self
+                .rng
+                .random_range(-self.params.noise_rel..=self.params.noise_rel);
         if self.rng.random_range(0.0..1.0) < self.params.outlier_frac {
             f *= self.params.outlier_factor;
         }
@@ -148,19 +178,33 @@ impl Sim {
         let bytes = tokens * SHAPE.bytes_per_token;
         let descriptors = tokens.div_ceil(SHAPE.block_size_tokens) * SHAPE.regions_per_block;
         let latency = self.noisy(self.xfer.predict_ms(bytes, descriptors));
-        let s = TransferSample { at: self.now, bytes, descriptors, latency, source };
-        self.model.record_transfer(PEER, Direction::Inbound, s).expect("valid sample");
+        let s = TransferSample {
+            at: self.now,
+            bytes,
+            descriptors,
+            latency,
+            source,
+        };
+        self.model
+            .record_transfer(PEER, Direction::Inbound, s)
+            .expect("valid sample");
     }
 
     fn log_uniform(&mut self, lo: f64, hi: f64) -> u64 {
-        (lo.ln() + self.rng.random_range(0.0..1.0) * (hi.ln() - lo.ln())).exp().round() as u64
+        (lo.ln() + self.rng.random_range(0.0..1.0) * (hi.ln() - lo.ln()))
+            .exp()
+            .round() as u64
     }
 
     /// Runs the event loop for `d` of simulated time.
     pub fn run_for(&mut self, d: Duration) {
         let end = self.now + d;
         loop {
-            let next = self.next_probe.min(self.next_traffic).min(self.next_prefill).min(self.next_update);
+            let next = self
+                .next_probe
+                .min(self.next_traffic)
+                .min(self.next_prefill)
+                .min(self.next_update);
             if next > end {
                 self.now = end;
                 return;
@@ -172,7 +216,11 @@ impl Sim {
                 self.next_update = self.now + self.params.update_interval;
             } else if next == self.next_probe {
                 if self.feeding {
-                    let blocks = if self.params.single_size { 1 } else { PROBE_BLOCKS[self.probe_idx % 4] };
+                    let blocks = if self.params.single_size {
+                        1
+                    } else {
+                        PROBE_BLOCKS[self.probe_idx % 4]
+                    };
                     self.probe_idx += 1;
                     self.read(blocks * SHAPE.block_size_tokens, SampleSource::ActiveProbe);
                 }
@@ -214,7 +262,13 @@ impl Sim {
 
     pub fn truth(&self) -> u64 {
         let c = self.model.config();
-        true_threshold(&self.xfer, &self.prefill, &SHAPE, c.min_threshold_tokens, c.max_threshold_tokens)
+        true_threshold(
+            &self.xfer,
+            &self.prefill,
+            &SHAPE,
+            c.min_threshold_tokens,
+            c.max_threshold_tokens,
+        )
     }
 
     pub fn explain(&self) -> Explain {
@@ -230,7 +284,11 @@ impl Sim {
 /// Changes whose direction is opposite to the previous change's (the first
 /// change, from the static default, is not counted).
 pub fn count_reversals(changes: &[PairChange]) -> usize {
-    let dirs: Vec<bool> = changes.iter().skip(1).map(|c| c.change.to_tokens > c.change.from_tokens).collect();
+    let dirs: Vec<bool> = changes
+        .iter()
+        .skip(1)
+        .map(|c| c.change.to_tokens > c.change.from_tokens)
+        .collect();
     dirs.windows(2).filter(|w| w[0] != w[1]).count()
 }
 
@@ -239,9 +297,21 @@ pub fn rel_err(got: u64, want: u64) -> f64 {
     (got as f64 - want as f64).abs() / want as f64
 }
 
-/// Runs a bandwidth step (÷ `factor` at `t_step` after a warm-up) and returns
-/// the time from the step until the published threshold is within 10 % of the
-/// new truth and stays there for the rest of `after` (None if never).
+/// Result of [`step_convergence`].
+pub struct StepResult {
+    /// From the step until the threshold is within 10 % of the new truth and
+    /// stays there until the end (None if it is not at the end).
+    pub converged: Option<Duration>,
+    /// From the step until the threshold is first within 10 % of the new truth.
+    pub reached: Option<Duration>,
+    /// Threshold before the step.
+    pub before: u64,
+    /// True threshold after the step.
+    pub truth: u64,
+    pub sim: Sim,
+}
+
+/// Runs a bandwidth step (÷ `factor` after `warmup`) for `after`.
 pub fn step_convergence(
     params: SimParams,
     prefill: PrefillCoefficients,
@@ -249,8 +319,13 @@ pub fn step_convergence(
     factor: f64,
     warmup: Duration,
     after: Duration,
-) -> (Option<Duration>, u64, u64, Sim) {
-    let mut sim = Sim::new(params, CostModelConfig::default(), link(gbit_before), prefill);
+) -> StepResult {
+    let mut sim = Sim::new(
+        params,
+        CostModelConfig::default(),
+        link(gbit_before),
+        prefill,
+    );
     sim.run_for(warmup);
     let before = sim.threshold();
     let t_step = sim.now;
@@ -258,14 +333,23 @@ pub fn step_convergence(
     let truth = sim.truth();
     let tick = Duration::from_millis(50);
     let mut converged_at: Option<Instant> = None;
+    let mut reached_at: Option<Instant> = None;
     let end = t_step + after;
     while sim.now < end {
         sim.run_for(tick);
         if rel_err(sim.threshold(), truth) <= 0.10 {
             converged_at.get_or_insert(sim.now);
+            reached_at.get_or_insert(sim.now);
         } else {
             converged_at = None;
         }
     }
-    (converged_at.map(|t| t.saturating_duration_since(t_step)), before, truth, sim)
+    let since = |t: Instant| t.saturating_duration_since(t_step);
+    StepResult {
+        converged: converged_at.map(since),
+        reached: reached_at.map(since),
+        before,
+        truth,
+        sim,
+    }
 }
