@@ -50,6 +50,11 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
 #[map]
 static PENDING: LruHashMap<PendingKey, PendingXfer> = LruHashMap::with_max_entries(65536, 0);
 
+/// kvloop sites: post time of READs in flight, by (tgid, xfer_id). Only the
+/// time is kept: `read_done` carries every other field.
+#[map]
+static KV_START: LruHashMap<PendingKey, u64> = LruHashMap::with_max_entries(65536, 0);
+
 #[map]
 static XFER_HIST: PerCpuHashMap<XferHistKey, LatencyHist> =
     PerCpuHashMap::with_max_entries(4096, 0);
@@ -90,6 +95,24 @@ static NIXL_REQS: LruHashMap<u64, NixlReqInfo> = LruHashMap::with_max_entries(65
 static SCRATCH: PerCpuArray<PrefillInflight> = PerCpuArray::with_max_entries(1, 0);
 
 static ZERO_HIST: LatencyHist = LatencyHist::ZERO;
+
+/// Ring-buffer notification policy: wake the reader only once this many
+/// bytes are pending; below that the reader's periodic poll (every
+/// `kvloop_probes::DRAIN_INTERVAL`) picks events up. A wakeup per event costs
+/// an irq_work and a context switch, several µs per READ on a busy node.
+const WAKEUP_BYTES: u64 = 256 * 1024;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+
+#[inline(always)]
+fn submit_flags() -> u64 {
+    if EVENTS.query(BPF_RB_AVAIL_DATA) >= WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
 
 #[inline(always)]
 fn config() -> Option<&'static ProbeConfig> {
@@ -145,22 +168,23 @@ fn xfer_begin(key: &PendingKey, v: &PendingXfer) {
     }
 }
 
-/// Completes a pending READ: histogram, sampled event. Returns nothing; counts
-/// unmatched completions.
+/// Completes a pending NIXL transfer: looks it up, then [`xfer_finish`].
 #[inline(always)]
-fn xfer_end(key: &PendingKey, status: i32, override_bytes: Option<(u64, u32)>) {
-    let Some(cfg) = config() else { return };
+fn xfer_end(key: &PendingKey, status: i32) {
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(p) = PENDING.get_ptr(key) else {
         bump(counter::XFER_DONE_UNMATCHED);
         return;
     };
-    let mut pend = unsafe { *p };
+    let pend = unsafe { *p };
     let _ = PENDING.remove(key);
-    if let Some((b, d)) = override_bytes {
-        pend.bytes = b;
-        pend.descriptors = d;
-    }
+    xfer_finish(key, &pend, status, now);
+}
+
+/// Records a completed READ: histogram (always), event (sampled).
+#[inline(always)]
+fn xfer_finish(key: &PendingKey, pend: &PendingXfer, status: i32, now: u64) {
+    let Some(cfg) = config() else { return };
     let ns = now.saturating_sub(pend.start_ns);
     let hkey = XferHistKey {
         peer: pend.peer,
@@ -208,7 +232,7 @@ fn xfer_end(key: &PendingKey, status: i32, override_bytes: Option<(u64, u32)>) {
                 _pad: [0; 5],
                 peer: pend.peer,
             });
-            e.submit(0);
+            e.submit(submit_flags());
         }
         None => bump(counter::XFER_EVENT_DROPPED),
     }
@@ -226,7 +250,8 @@ fn read_args(ctx: &ProbeContext) -> Option<ReadProbeArgs> {
     }
 }
 
-/// uprobe at `kvloop_probe_read_post(const ReadProbeArgs *)`.
+/// uprobe at `kvloop_probe_read_post(const ReadProbeArgs *)`: records the
+/// post time under (tgid, `xfer_id`), reading only `xfer_id` (offset 0).
 #[uprobe]
 pub fn kvloop_read_post(ctx: ProbeContext) -> u32 {
     let Some(cfg) = config() else { return 0 };
@@ -234,22 +259,21 @@ pub fn kvloop_read_post(ctx: ProbeContext) -> u32 {
         return 0;
     }
     let start_ns = unsafe { bpf_ktime_get_ns() };
-    let Some(a) = read_args(&ctx) else { return 0 };
+    let Some(p) = ctx.arg::<*const u64>(0) else {
+        return 0;
+    };
+    let Ok(xfer_id) = (unsafe { bpf_probe_read_user(p) }) else {
+        bump(counter::READ_FAILED);
+        return 0;
+    };
     let key = PendingKey {
         tgid: tgid(),
         site: site::KVLOOP as u32,
-        id: a.xfer_id,
+        id: xfer_id,
     };
-    let v = PendingXfer {
-        start_ns,
-        bytes: a.bytes,
-        descriptors: a.descriptors,
-        direction: a.direction,
-        backend: a.backend,
-        _pad: [0; 2],
-        peer: a.peer,
-    };
-    xfer_begin(&key, &v);
+    if KV_START.insert(key, start_ns, 0).is_err() {
+        bump(counter::XFER_PENDING_FULL);
+    }
     0
 }
 
@@ -260,13 +284,36 @@ pub fn kvloop_read_done(ctx: ProbeContext) -> u32 {
     if cfg.enabled & enable::XFER == 0 {
         return 0;
     }
+    let now = unsafe { bpf_ktime_get_ns() };
     let Some(a) = read_args(&ctx) else { return 0 };
     let key = PendingKey {
         tgid: tgid(),
         site: site::KVLOOP as u32,
         id: a.xfer_id,
     };
-    xfer_end(&key, a.status as i32, None);
+    let Some(start) = KV_START.get_ptr(key) else {
+        bump(counter::XFER_DONE_UNMATCHED);
+        return 0;
+    };
+    let start_ns = unsafe { *start };
+    let _ = KV_START.remove(key);
+    let pend = PendingXfer {
+        start_ns,
+        bytes: a.bytes,
+        descriptors: a.descriptors,
+        direction: a.direction,
+        backend: a.backend,
+        _pad: [0; 2],
+        peer: a.peer,
+    };
+    xfer_finish(&key, &pend, a.status as i32, now);
+    0
+}
+
+/// Empty program for calibration: attached to the USDT sites by the
+/// benchmark to measure the uprobe mechanism's own cost on this machine.
+#[uprobe]
+pub fn kvloop_noop(_ctx: ProbeContext) -> u32 {
     0
 }
 
@@ -403,7 +450,7 @@ fn nixl_ret(ctx: &RetProbeContext) {
         // again after completion.
         return;
     }
-    xfer_end(&key, ret, None);
+    xfer_end(&key, ret);
 }
 
 /// uretprobe of `nixlAgent::postXferReq`: NIXL_SUCCESS (0) means the transfer
@@ -553,7 +600,7 @@ fn try_prefill_send(ctx: &TracePointContext) -> Option<()> {
                     p as *const _,
                 );
             }
-            e.submit(0);
+            e.submit(submit_flags());
         }
         None => bump(counter::PREFILL_EVENT_DROPPED),
     }
@@ -692,7 +739,7 @@ fn try_tcp_retransmit(ctx: &TracePointContext) -> Option<()> {
             ts_ns: unsafe { bpf_ktime_get_ns() },
             key,
         });
-        e.submit(0);
+        e.submit(submit_flags());
     } else {
         bump(counter::RETRANSMIT_EVENT_DROPPED);
     }

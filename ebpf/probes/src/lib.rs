@@ -36,11 +36,17 @@ pub mod trace;
 pub mod tracefs;
 
 pub use attribution::{TokenCounts, Unattributed};
-pub use loader::{ProbeConfig, Probes};
+pub use loader::{ProbeConfig, Probes, enable_run_time_stats};
 pub use state::{
     HistogramSnapshot, PrefillSample, RetransmitCount, Snapshot, XferHistLabels, XferSample,
 };
 pub use trace::{Event, TraceFilter, TraceStream};
+
+/// How often the ring buffer is drained when the kernel side does not wake
+/// the reader (it wakes it only when 256 KiB of events are pending, to keep
+/// a wakeup off every READ): events reach [`Probes::trace`] and
+/// [`Probes::snapshot`] at most this late.
+pub const DRAIN_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Where a sample was measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

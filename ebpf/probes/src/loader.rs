@@ -103,7 +103,8 @@ const TRACEPOINTS: [(&str, &str, &str, u32); 7] = [
 ];
 
 /// Uprobe programs.
-const UPROBES: [&str; 8] = [
+const UPROBES: [&str; 9] = [
+    "kvloop_noop",
     "kvloop_read_post",
     "kvloop_read_done",
     "nixl_create_enter",
@@ -152,6 +153,8 @@ struct Kernel {
     links: Vec<Link>,
     /// Human-readable attach points, for diagnostics.
     attached: Vec<String>,
+    /// [`enable`] bits in effect.
+    enabled: u32,
 }
 
 pub(crate) struct Inner {
@@ -334,26 +337,16 @@ impl Probes {
                 .map_err(|e| load_err(name, e))?;
             p.load().map_err(|e| load_err(name, e))?;
         }
-        let mut links = Vec::new();
-        let mut attached = Vec::new();
-        for (name, cat, tp, bit) in TRACEPOINTS {
+        for (name, _, _, _) in TRACEPOINTS {
             let p: &mut TracePoint = ebpf
                 .program_mut(name)
                 .ok_or_else(|| load_err(name, std::io::Error::other("missing from the object")))?
                 .try_into()
                 .map_err(|e| load_err(name, e))?;
             p.load().map_err(|e| load_err(name, e))?;
-            if kcfg.enabled & bit == 0 {
-                continue;
-            }
-            let id = p.attach(cat, tp).map_err(|e| ProbeError::Attach {
-                program: name.into(),
-                target: format!("{cat}:{tp}"),
-                message: error_chain(&e),
-            })?;
-            links.push(Link::Tp(name.into(), id));
-            attached.push(format!("tracepoint:{cat}:{tp} -> {name}"));
         }
+        let links = Vec::new();
+        let attached = Vec::new();
         let (tx, _) = broadcast::channel(TRACE_QUEUE);
         let inner = Arc::new(Inner {
             source: Source::Ebpf,
@@ -367,6 +360,7 @@ impl Probes {
                 prefill_ports,
                 links,
                 attached,
+                enabled: kcfg.enabled,
             })),
             user: Mutex::new(UserState::default()),
             tx,
@@ -376,6 +370,7 @@ impl Probes {
             drain: Some(spawn_drain(inner.clone(), ring)?),
             inner,
         };
+        probes.attach_tracepoints()?;
         for p in &config.prefill_ports {
             probes.prefill_port(*p)?;
         }
@@ -472,6 +467,37 @@ impl Probes {
         Ok(())
     }
 
+    /// Attaches the enabled tracepoint programs (prefill, retransmit) that are
+    /// not attached yet. [`Self::load`] calls it; call it again after
+    /// [`Self::detach_all`] to re-attach.
+    pub fn attach_tracepoints(&self) -> Result<(), ProbeError> {
+        let mut k = self.kernel()?;
+        let k = &mut *k;
+        for (name, cat, tp, bit) in TRACEPOINTS {
+            if k.enabled & bit == 0
+                || k.links
+                    .iter()
+                    .any(|l| matches!(l, Link::Tp(n, _) if n == name))
+            {
+                continue;
+            }
+            let p: &mut TracePoint = k
+                .ebpf
+                .program_mut(name)
+                .ok_or_else(|| load_err(name, std::io::Error::other("missing")))?
+                .try_into()
+                .map_err(|e| load_err(name, e))?;
+            let id = p.attach(cat, tp).map_err(|e| ProbeError::Attach {
+                program: name.into(),
+                target: format!("{cat}:{tp}"),
+                message: error_chain(&e),
+            })?;
+            k.links.push(Link::Tp(name.into(), id));
+            k.attached.push(format!("tracepoint:{cat}:{tp} -> {name}"));
+        }
+        Ok(())
+    }
+
     /// Attaches the transfer probes to the dataplane's USDT-style sites
     /// `kvloop_probe_read_post` / `kvloop_probe_read_done` in `binary` (a
     /// path; `/proc/<pid>/exe` works), for every process running it
@@ -493,6 +519,46 @@ impl Probes {
         let [post, done] = kvloop_common::usdt::SYMBOLS;
         Self::attach_uprobe(&mut k, "kvloop_read_post", post, &target, pid)?;
         Self::attach_uprobe(&mut k, "kvloop_read_done", done, &target, pid)?;
+        Ok(())
+    }
+
+    /// Per-program run counts and total run time since load, as
+    /// `(program, runs, total ns)`. The kernel counts them only while
+    /// BPF run-time statistics are enabled (see [`enable_run_time_stats`]).
+    pub fn program_stats(&self) -> Vec<(String, u64, u64)> {
+        let Ok(k) = self.kernel() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (name, prog) in k.ebpf.programs() {
+            if let Ok(info) = prog.info() {
+                out.push((
+                    name.to_string(),
+                    info.run_count(),
+                    info.run_time().as_nanos() as u64,
+                ));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Attaches an empty program to both USDT sites of `binary` (for
+    /// benchmarks: the cost of the uprobe mechanism alone, to compare with
+    /// [`Self::attach_transfer_sites`]).
+    pub fn attach_calibration(
+        &self,
+        binary: impl AsRef<Path>,
+        pid: Option<u32>,
+    ) -> Result<(), ProbeError> {
+        let target = std::fs::canonicalize(binary.as_ref()).map_err(|e| ProbeError::Invalid {
+            field: "binary",
+            message: format!("{}: {e}", binary.as_ref().display()),
+        })?;
+        let mut k = self.kernel()?;
+        for sym in kvloop_common::usdt::SYMBOLS {
+            Self::attach_uprobe(&mut k, "kvloop_noop", sym, &target, pid)?;
+        }
         Ok(())
     }
 
@@ -552,8 +618,7 @@ impl Probes {
     }
 
     /// Detaches every program (the maps and their contents stay). For
-    /// overhead comparisons; re-attach with the `attach_*` calls (tracepoints
-    /// are not re-attached).
+    /// overhead comparisons; re-attach with the `attach_*` calls.
     pub fn detach_all(&self) -> Result<(), ProbeError> {
         let mut k = self.kernel()?;
         let links = std::mem::take(&mut k.links);
@@ -761,8 +826,9 @@ fn spawn_drain(
                     events: libc::POLLIN,
                     revents: 0,
                 };
-                // SAFETY: one valid pollfd; 100 ms timeout bounds shutdown latency.
-                unsafe { libc::poll(&mut pfd, 1, 100) };
+                // SAFETY: one valid pollfd. The programs wake us only when
+                // WAKEUP_BYTES are pending; the timeout drains the rest.
+                unsafe { libc::poll(&mut pfd, 1, crate::DRAIN_INTERVAL.as_millis() as i32) };
                 let mut batch = Vec::new();
                 while let Some(item) = ring.next() {
                     if let Some(ev) = Event::decode(&item) {
@@ -800,4 +866,14 @@ impl Drop for Probes {
             let _ = self.detach_all();
         }
     }
+}
+
+/// Turns on the kernel's BPF run-time statistics (`BPF_ENABLE_STATS`) for as
+/// long as the returned fd is open; [`Probes::program_stats`] then reports
+/// time spent inside each program. Costs two clock reads per program run.
+pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd, ProbeError> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| ProbeError::Load {
+        program: "<stats>".into(),
+        message: error_chain(&e),
+    })
 }

@@ -536,3 +536,66 @@ fn fallback_labels_every_sample_userspace() {
         "{text}"
     );
 }
+
+/// A process that READs through kvloop's dataplane with its NIXL backend,
+/// probed at the NIXL library (as an engine using NIXL directly would be) and
+/// at the dataplane's USDT sites: every READ is seen once by each.
+#[cfg(feature = "dataplane")]
+#[test]
+fn dataplane_nixl_reads_seen_at_library_and_sites() {
+    let Some(libs) = nixl_libs() else { return };
+    let Some(p) = load(ProbeConfig::default()) else {
+        return;
+    };
+    let env = [
+        ("LD_LIBRARY_PATH", libs.display().to_string()),
+        (
+            "NIXL_PLUGIN_DIR",
+            libs.join("plugins").display().to_string(),
+        ),
+        ("UCX_MODULES", "^ib*".to_string()),
+        (
+            "KVLOOP_NIXL_DIR",
+            libs.parent().unwrap().display().to_string(),
+        ),
+    ];
+    let mut h = Helper::spawn(&["dataplane-reads", "nixl", "10", "65536"], &env);
+    p.attach_nixl(libs.join("libnixl.so"), Some(h.pid))
+        .expect("attach NIXL");
+    p.attach_transfer_sites(HELPER, Some(h.pid))
+        .expect("attach sites");
+    let mut trace = p.trace(TraceFilter::default());
+    let user = h.run();
+    assert_eq!(user.len(), 10);
+    let events: Vec<_> = collect_xfers(&mut trace, 2 * user.len())
+        .into_iter()
+        .filter(|s| s.tgid == h.pid)
+        .collect();
+    let nixl: Vec<_> = events.iter().filter(|s| s.site == "nixl").collect();
+    let sites: Vec<_> = events.iter().filter(|s| s.site == "kvloop").collect();
+    assert_eq!(nixl.len(), user.len(), "NIXL library events: {events:#?}");
+    assert_eq!(
+        sites.len(),
+        user.len(),
+        "dataplane site events: {events:#?}"
+    );
+    for s in &sites {
+        assert_eq!(s.peer, "decode-0");
+        assert_eq!(s.direction, Direction::DecodeToPrefill);
+        assert_eq!(s.bytes, 65536);
+        assert_eq!(s.status, 0);
+        let (_, u) = user.iter().find(|(id, _)| *id == s.id).expect("READ id");
+        assert!(
+            s.latency_ns <= u + 50_000,
+            "site {} ns > user {u} ns",
+            s.latency_ns
+        );
+    }
+    for s in &nixl {
+        assert_eq!(s.status, 0);
+        assert!(
+            !s.peer.is_empty(),
+            "NIXL remote agent name captured at createXferReq"
+        );
+    }
+}

@@ -4,6 +4,7 @@
 //! ```text
 //! kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer>
 //! kvloop-probe-helper nixl-read <count> <bytes>
+//! kvloop-probe-helper dataplane-reads <nixl|shm|tcp> <count> <bytes>
 //! ```
 //!
 //! Both wait for one line on stdin (so the caller can attach first), print
@@ -12,6 +13,9 @@
 //!
 //! `usdt-reads` calls `kvloop_common::usdt::read_post` / `read_done` around
 //! `work_us` µs of busy work (direction P→D, backend libfabric).
+//! `dataplane-reads` starts two kvloop dataplane engines in this process
+//! (`prefill-0` reads from `decode-0`, one block of `bytes` per READ) over the
+//! NIXL-UCX backend or libfabric `shm` / `tcp;ofi_rxm`.
 //! `nixl-read` makes DRAM→DRAM READs of `bytes` between two NIXL agents of
 //! this process through the UCX backend (needs `LD_LIBRARY_PATH`,
 //! `NIXL_PLUGIN_DIR`, `UCX_MODULES='^ib*'`; shared/RECIPES.md) and times
@@ -127,6 +131,88 @@ fn nixl_read(count: u64, bytes: usize) -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "dataplane")]
+fn dataplane_reads(backend: &str, count: u64, bytes: u64) -> Result<()> {
+    use kvloop_dataplane::fabric::FabricConfig;
+    use kvloop_dataplane::nixl::NixlConfig;
+    use kvloop_dataplane::{
+        BackendConfig, BlockPair, EngineConfig, HostRegion, KvLayout, ReadRequest, TransferEngine,
+    };
+    let backend = match backend {
+        "nixl" => BackendConfig::Nixl(NixlConfig::default()),
+        "shm" => BackendConfig::Libfabric(FabricConfig {
+            provider: "shm".into(),
+            ..Default::default()
+        }),
+        "tcp" => BackendConfig::Libfabric(FabricConfig {
+            provider: "tcp;ofi_rxm".into(),
+            bind_node: Some("127.0.0.1".into()),
+            ..Default::default()
+        }),
+        other => bail!("<backend>: expected nixl, shm or tcp, got `{other}`"),
+    };
+    let layout = KvLayout {
+        num_regions: 1,
+        num_blocks: 8,
+        block_len_bytes: bytes,
+        block_size_tokens: 16,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let start = |id: &'static str| {
+            let backend = backend.clone();
+            async move {
+                let regions = vec![HostRegion::new(
+                    &format!("{id}-0"),
+                    layout.region_len_bytes() as usize,
+                )?];
+                TransferEngine::start(
+                    EngineConfig {
+                        engine_id: id.into(),
+                        side_channel_addr: "127.0.0.1:0".parse().unwrap(),
+                        backend,
+                        layout,
+                        read_timeout_ms: 10_000,
+                        handshake_timeout_ms: 10_000,
+                    },
+                    regions,
+                )
+                .await
+                .with_context(|| format!("starting engine {id}"))
+            }
+        };
+        let p = start("prefill-0").await?;
+        let d = start("decode-0").await?;
+        p.connect(d.side_channel_addr())
+            .await
+            .context("handshake")?;
+        wait_for_go()?;
+        for i in 0..count {
+            let t = Instant::now();
+            let out = p
+                .read(&ReadRequest {
+                    peer_engine_id: "decode-0".into(),
+                    blocks: vec![BlockPair {
+                        remote: i % 8,
+                        local: (i + 1) % 8,
+                    }],
+                    direction: Direction::DecodeToPrefill,
+                    notify: None,
+                    timeout_ms: None,
+                })
+                .await
+                .with_context(|| format!("READ {i}"))?;
+            let ns = t.elapsed().as_nanos();
+            println!("read id={} user_ns={ns} bytes={}", out.xfer_id, out.bytes);
+        }
+        println!("done");
+        Ok(())
+    })
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let num = |i: usize, what: &str| -> Result<u64> {
@@ -142,9 +228,15 @@ fn main() -> Result<()> {
             num(3, "bytes")?,
             args.get(4).map(String::as_str).unwrap_or("decode-0"),
         ),
+        #[cfg(feature = "dataplane")]
+        Some("dataplane-reads") => dataplane_reads(
+            args.get(1).map(String::as_str).unwrap_or("nixl"),
+            num(2, "count")?,
+            num(3, "bytes")?,
+        ),
         Some("nixl-read") => nixl_read(num(1, "count")?, num(2, "bytes")? as usize),
         _ => bail!(
-            "usage: kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer> | nixl-read <count> <bytes>"
+            "usage: kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer> | nixl-read <count> <bytes> | dataplane-reads <nixl|shm|tcp> <count> <bytes>"
         ),
     }
 }
