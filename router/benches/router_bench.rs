@@ -518,24 +518,32 @@ fn multi_turn_bench() {
         .enable_all()
         .build()
         .unwrap();
-    let (mut convs, turns, first_words) = if quick() {
+    let (many, turns, first_words) = if quick() {
         (8usize, 3usize, 1000usize)
     } else {
         (32, 5, 2000)
     };
-    if let Some(c) = std::env::var("KVLOOP_BENCH_CONVS")
+    let levels: Vec<usize> = match std::env::var("KVLOOP_BENCH_CONVS")
         .ok()
         .and_then(|v| v.parse().ok())
     {
-        convs = c;
-    }
+        Some(c) => vec![c],
+        None => vec![1, many],
+    };
     println!(
-        "\n## Multi-turn: {convs} concurrent conversations × {turns} turns, first prompt {first_words} words, +64 words/turn, 32 output tokens, streamed"
+        "\n## Multi-turn: conversations × {turns} turns, first prompt {first_words} words, +64 words/turn, 32 output tokens, streamed"
     );
-    println!("engine-sim: prefill 20 µs/token (real sleep), READ 2 µs/token, decode 50 µs/token");
-    println!("| threshold | turn | requests | TTFT p50 ms | TTFT p99 ms |");
-    println!("|---|---:|---:|---:|---:|");
-    for (label, threshold) in [("static 64 (pull)", 64u64), ("never pull", u64::MAX)] {
+    println!(
+        "engine-sim: prefill 20 µs/token (real sleep), READ 2 µs/token, decode 50 µs/token; client-side TTFT"
+    );
+    println!(
+        "| concurrent conversations | threshold | turn | requests | TTFT p50 ms | TTFT p99 ms |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|");
+    for (convs, (label, threshold)) in levels
+        .iter()
+        .flat_map(|&c| [("static 64 (pull)", 64u64), ("never pull", u64::MAX)].map(|x| (c, x)))
+    {
         rt.block_on(async {
             let sim = |role, id: &str| SimConfig {
                 role,
@@ -608,7 +616,7 @@ fn multi_turn_bench() {
             }
             for (turn, v) in by_turn.iter_mut().enumerate() {
                 println!(
-                    "| {label} | {} | {} | {:.1} | {:.1} |",
+                    "| {convs} | {label} | {} | {} | {:.1} | {:.1} |",
                     turn + 1,
                     v.len(),
                     pct(v, 0.5),
@@ -631,7 +639,10 @@ fn multi_turn_bench() {
                 })
                 .map(|l| l.replace("kvloop_router_", ""))
                 .collect();
-            println!("| {label} | counters | {} | | |", counters.join(", "));
+            println!(
+                "| {convs} | {label} | counters | {} | | |",
+                counters.join(", ")
+            );
         });
     }
 }
