@@ -1,0 +1,76 @@
+"""The operator guide's configuration reference against the real config
+structs, and the shipped TOML files against the real config parsers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import tomllib
+
+import pytest
+
+import config_reference as ref
+from conftest import GUIDE, find, kvloop_bin, plain_objects
+
+
+def configmap_file(name: str, key: str) -> str:
+    return find(plain_objects(), "ConfigMap", name)["data"][key]
+
+
+@pytest.mark.parametrize("section,binary,structs,entries", [
+    ("router-config", "kvloop-router", ref.ROUTER_STRUCTS, ref.ROUTER_ENTRIES),
+    ("agent-config", "kvloop-agent", ref.AGENT_STRUCTS, ref.AGENT_ENTRIES),
+])
+def test_config_reference_matches_the_structs(section, binary, structs, entries):
+    exe = kvloop_bin(binary)
+    want = ref.reference(exe, structs, entries)
+    have = ref.current(GUIDE.read_text(), section)
+    assert have == want, (
+        f"docs/operator-guide.md's {section} table is out of date; regenerate with\n"
+        f"  target/deploy-venv/bin/python deploy/tests/config_reference.py --write")
+
+
+def print_config(exe, text: str, env: dict[str, str] | None = None) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(text)
+        f.flush()
+        r = subprocess.run([str(exe), "--config", f.name, "--print-config"], capture_output=True,
+                           text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", **(env or {})})
+    assert r.returncode == 0, f"{exe.name} rejects the shipped config: {r.stderr}"
+    return tomllib.loads(r.stdout)
+
+
+def test_shipped_router_config_parses():
+    exe = kvloop_bin("kvloop-router")
+    cfg = print_config(exe, configmap_file("kvloop-router-config", "router.toml"))
+    assert cfg["listen"] == "0.0.0.0:8000"
+    assert cfg["admin_token"] == "", "the token belongs in the Secret, not the ConfigMap"
+    dep = find(plain_objects(), "Deployment", "kvloop-router")
+    port = dep["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert cfg["listen"].endswith(f":{port}")
+
+
+def test_shipped_agent_config_parses():
+    exe = kvloop_bin("kvloop-agent")
+    text = configmap_file("kvloop-agent-config", "agent.toml")
+    env = {"KVLOOP_AGENT_ID": "node-a", "KVLOOP_AGENT_NODE_ADDR": "10.0.0.1"}
+    ds = find(plain_objects(), "DaemonSet", "kvloop-agent")
+    c = ds["spec"]["template"]["spec"]["containers"][0]
+    for e in c["env"]:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+    env["KVLOOP_AGENT_ROUTER_TOKEN"] = "t0ken"
+    try:
+        cfg = print_config(exe, text, env)
+    except AssertionError as e:
+        if "token" in str(e) and "routers" in str(e):
+            pytest.xfail("kvloop-agent does not read the router token from "
+                         f"KVLOOP_AGENT_ROUTER_TOKEN yet: {e}")
+        raise
+    assert cfg["agent_id"] == "node-a" and cfg["node_addr"] == "10.0.0.1"
+    assert cfg["require_ebpf"] is True
+    assert cfg["backend"]["kind"] == "nixl" and cfg["backend"]["plugin"] == "LIBFABRIC"
+    assert [r["token"] for r in cfg["routers"]] == ["t0ken"]
+    port = c["ports"][0]["containerPort"]
+    assert cfg["http_listen"] == f"0.0.0.0:{port}"
