@@ -1,5 +1,6 @@
 #include <string.h>
 #include <stdlib.h>
+#include <stdbool.h>
 #include <sys/uio.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
@@ -54,3 +55,31 @@ const char *kvl_info_prov_name(const struct fi_info *i) { return i->fabric_attr-
 const char *kvl_info_fabric_name(const struct fi_info *i) { return i->fabric_attr->name; }
 const char *kvl_info_domain_name(const struct fi_info *i) { return i->domain_attr->name; }
 uint32_t kvl_info_prov_version(const struct fi_info *i) { return i->fabric_attr->prov_version; }
+
+#if __has_include(<rdma/fi_ext.h>)
+#include <rdma/fi_ext.h>
+#endif
+
+int kvl_efa_pre_enable(struct fid_ep *ep, int rnr_retry) {
+#ifdef FI_OPT_EFA_RNR_RETRY
+    if (rnr_retry >= 0) {
+        size_t v = (size_t)rnr_retry;
+        return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_EFA_RNR_RETRY, &v, sizeof(v));
+    }
+#else
+    (void)ep; (void)rnr_retry;
+#endif
+    return 0;
+}
+
+int kvl_efa_emulated_read(struct fid_ep *ep) {
+#ifdef FI_OPT_EFA_EMULATED_READ
+    bool emulated = false;
+    size_t len = sizeof(emulated);
+    if (fi_getopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_EFA_EMULATED_READ, &emulated, &len) == 0)
+        return emulated ? 1 : 0;
+#else
+    (void)ep;
+#endif
+    return -1;
+}

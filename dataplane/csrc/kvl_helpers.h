@@ -31,3 +31,12 @@ const char *kvl_info_fabric_name(const struct fi_info *info);
 const char *kvl_info_domain_name(const struct fi_info *info);
 uint32_t kvl_info_prov_version(const struct fi_info *info);
 #endif
+
+/* EFA endpoint options (libfabric >= 1.18 headers; no-ops elsewhere).
+ * Call before fi_enable. rnr_retry < 0 leaves the provider default.
+ * Returns 0, or a negative FI_E* code. */
+int kvl_efa_pre_enable(struct fid_ep *ep, int rnr_retry);
+/* After fi_enable: 1 when the efa provider emulates RMA READ in software
+ * (FI_OPT_EFA_EMULATED_READ), 0 when reads are real hardware RDMA, -1 when
+ * unknown (not efa, or headers without the option). */
+int kvl_efa_emulated_read(struct fid_ep *ep);

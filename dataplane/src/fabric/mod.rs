@@ -49,6 +49,11 @@ pub struct FabricConfig {
     /// waiting, µs. Default 200.
     #[serde(default = "default_spin_us")]
     pub spin_us: u64,
+    /// EFA only: `FI_OPT_EFA_RNR_RETRY` set before `fi_enable`; negative
+    /// keeps the provider's default. Default 7 (the EFA hardware maximum,
+    /// which lets the device retry receiver-not-ready instead of failing).
+    #[serde(default = "default_efa_rnr_retry")]
+    pub efa_rnr_retry: i32,
     /// Progress thread: first idle park, µs. Default 50.
     #[serde(default = "default_idle_sleep_us")]
     pub idle_sleep_us: u64,
@@ -68,6 +73,9 @@ fn default_spin_us() -> u64 {
 fn default_idle_sleep_us() -> u64 {
     50
 }
+fn default_efa_rnr_retry() -> i32 {
+    7
+}
 fn default_idle_sleep_max_us() -> u64 {
     500
 }
@@ -80,6 +88,7 @@ impl Default for FabricConfig {
             spin_us: default_spin_us(),
             idle_sleep_us: default_idle_sleep_us(),
             idle_sleep_max_us: default_idle_sleep_max_us(),
+            efa_rnr_retry: default_efa_rnr_retry(),
         }
     }
 }
@@ -124,6 +133,9 @@ pub(crate) struct Endpoint {
     pub(crate) av: *mut sys::fid_av,
     pub(crate) cq: *mut sys::fid_cq,
     pub(crate) ep: *mut sys::fid_ep,
+    /// `Some(true)` when efa emulates READ in software, `Some(false)` for
+    /// hardware RDMA READ, `None` when unknown (other providers).
+    pub(crate) emulated_read: Option<bool>,
     /// CQ wait fd (`FI_WAIT_FD`), when the provider has one.
     pub(crate) wait_fd: Option<i32>,
     pub(crate) provider: String,
@@ -192,6 +204,7 @@ impl Endpoint {
             cq: ptr::null_mut(),
             ep: ptr::null_mut(),
             wait_fd: None,
+            emulated_read: None,
             // SAFETY: accessors on a valid fi_info.
             provider: unsafe { CStr::from_ptr(sys::kvl_info_prov_name(info)) }
                 .to_string_lossy()
@@ -259,7 +272,23 @@ impl Endpoint {
                     (sys::FI_TRANSMIT | sys::FI_RECV) as u64,
                 ) as i64,
             )?;
+            if e.provider.starts_with("efa") {
+                // RNR retries: EFA's receiver-not-ready retry count (RECIPES.md).
+                check(
+                    &name,
+                    "fi_setopt(FI_OPT_EFA_RNR_RETRY)",
+                    sys::kvl_efa_pre_enable(e.ep, cfg.efa_rnr_retry) as i64,
+                )?;
+            }
             check(&name, "fi_enable", sys::fi_enable(e.ep) as i64)?;
+            e.emulated_read = match sys::kvl_efa_emulated_read(e.ep) {
+                0 => Some(false),
+                1 => Some(true),
+                _ => None,
+            };
+            if e.emulated_read == Some(true) {
+                tracing::warn!(provider = %e.provider, "efa emulates RMA READ in software (FI_OPT_EFA_EMULATED_READ): expect protocol-path bandwidth");
+            }
             let mut len: usize = 256;
             let mut buf = vec![0u8; len];
             let r = sys::fi_getname(&mut (*e.ep).fid, buf.as_mut_ptr() as *mut c_void, &mut len);
@@ -628,6 +657,11 @@ impl FabricBackend {
     /// Provider limits in force.
     pub fn limits(&self) -> Limits {
         self.shared.ep.limits
+    }
+
+    /// Whether efa emulates RMA READ in software (`None`: not efa / unknown).
+    pub fn emulated_read(&self) -> Option<bool> {
+        self.shared.ep.emulated_read
     }
 
     /// The provider's memory-registration mode bits (`FI_MR_*`).
