@@ -275,6 +275,11 @@ pub struct ReadRequest {
     pub remote_block_ids: Vec<u32>,
     /// Tokens to read.
     pub num_tokens: u64,
+    /// The reader's destination blocks: the first `ceil(num_tokens / block_size_tokens)`
+    /// blocks of the reader's allocation for this request.
+    pub local_block_ids: Vec<u32>,
+    /// Tokens per block (the reader's; the sim assumes both sides agree).
+    pub block_size_tokens: u32,
 }
 
 /// Why a READ was not done (the reader then recomputes).
@@ -358,6 +363,37 @@ impl KvTransfer for SimulatedTransfer {
             sleep_us(self.transfer_us_per_token * req.num_tokens).await;
             Ok(req.num_tokens)
         })
+    }
+}
+
+/// A decode request's blocks: released on drop unless held for the next turn.
+struct BlockGuard {
+    engine: Arc<Engine>,
+    ids: Vec<u32>,
+}
+
+impl BlockGuard {
+    /// Grow to cover `num_tokens` tokens and hold for `decoder_kv_blocks_ttl_ms`.
+    fn extend_and_hold(mut self, request_id: &str, num_tokens: u64) -> Vec<u32> {
+        let e = self.engine.clone();
+        let more = e.blocks_for(num_tokens).saturating_sub(self.ids.len());
+        let mut ids = std::mem::take(&mut self.ids);
+        ids.extend(e.allocate_blocks(more));
+        e.hold_blocks(
+            request_id,
+            ids.clone(),
+            num_tokens,
+            Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms),
+        );
+        ids
+    }
+}
+
+impl Drop for BlockGuard {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.engine.alloc.lock().unwrap().release(&self.ids);
+        }
     }
 }
 
@@ -586,35 +622,37 @@ impl Engine {
         }
     }
 
-    /// Allocate and hold blocks for `num_tokens` tokens for `ttl`; returns the block ids.
-    fn hold(&self, request_id: &str, num_tokens: u64, ttl: Duration) -> Vec<u32> {
-        let n_blocks = num_tokens
+    /// Blocks needed for `num_tokens` tokens (at least one).
+    fn blocks_for(&self, num_tokens: u64) -> usize {
+        num_tokens
             .div_ceil(u64::from(self.cfg.block_size_tokens))
-            .max(1) as usize;
-        let ids = {
-            let mut alloc = self.alloc.lock().unwrap();
-            match alloc.allocate(n_blocks) {
-                Some(ids) => ids,
-                None => {
-                    drop(alloc);
-                    self.sweep(Instant::now());
-                    self.alloc
-                        .lock()
-                        .unwrap()
-                        .allocate(n_blocks)
-                        .unwrap_or_default()
-                }
-            }
-        };
+            .max(1) as usize
+    }
+
+    /// Allocate `n_blocks` blocks (after sweeping lapsed holds when short;
+    /// empty when the cache is full).
+    fn allocate_blocks(&self, n_blocks: usize) -> Vec<u32> {
+        if let Some(ids) = self.alloc.lock().unwrap().allocate(n_blocks) {
+            return ids;
+        }
+        self.sweep(Instant::now());
+        self.alloc
+            .lock()
+            .unwrap()
+            .allocate(n_blocks)
+            .unwrap_or_default()
+    }
+
+    /// Hold `ids` (covering `num_tokens` tokens) for `ttl` under `request_id`.
+    fn hold_blocks(&self, request_id: &str, ids: Vec<u32>, num_tokens: u64, ttl: Duration) {
         self.holds.lock().unwrap().insert(
             request_id.to_string(),
             Hold {
-                block_ids: ids.clone(),
+                block_ids: ids,
                 num_tokens,
                 expires_at: Instant::now() + ttl,
             },
         );
-        ids
     }
 
     fn params(&self, request_id: &str, block_ids: Vec<u32>, num_tokens: u64) -> Value {
@@ -645,6 +683,7 @@ impl Engine {
         params: Option<&Value>,
         prompt_tokens: u64,
         expect_from_decode: bool,
+        local_block_ids: &[u32],
     ) -> u64 {
         let Some(p) = params else { return 0 };
         let flag = if expect_from_decode {
@@ -658,7 +697,7 @@ impl Engine {
         if p.get("remote_block_ids").is_none_or(Value::is_null) {
             return 0; // the "no reuse" shape
         }
-        let req = match self.read_request(p, prompt_tokens, expect_from_decode) {
+        let mut req = match self.read_request(p, prompt_tokens, expect_from_decode) {
             Ok(r) => r,
             Err(field) => {
                 warn!(engine = %self.cfg.engine_id, %field, "invalid kv_transfer_params; recomputing locally");
@@ -669,6 +708,8 @@ impl Engine {
         if req.num_tokens == 0 || req.num_tokens < self.cfg.kv_recompute_threshold_tokens {
             return 0;
         }
+        let n_local = self.blocks_for(req.num_tokens).min(local_block_ids.len());
+        req.local_block_ids = local_block_ids[..n_local].to_vec();
         match self.transfer.read(req).await {
             Ok(n) => {
                 self.stats.reads_ok.fetch_add(1, Ordering::Relaxed);
@@ -750,6 +791,8 @@ impl Engine {
             remote_request_id: rid.into(),
             remote_block_ids: blocks,
             num_tokens,
+            local_block_ids: Vec::new(),
+            block_size_tokens: self.cfg.block_size_tokens,
         })
     }
 
@@ -835,14 +878,20 @@ async fn generate(
                     "simulated prefill failure",
                 );
             }
-            let reused = e.pull(params, n_prompt, true).await;
+            let ids = e.allocate_blocks(e.blocks_for(n_prompt));
+            let reused = e.pull(params, n_prompt, true, &ids).await;
             let computed = n_prompt - reused;
             e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
             e.stats
                 .computed_tokens
                 .fetch_add(computed, Ordering::Relaxed);
             sleep_us(e.cfg.prefill_us_per_token * computed).await;
-            let ids = e.hold(&request_id, n_prompt, Duration::from_millis(e.cfg.lease_ms));
+            e.hold_blocks(
+                &request_id,
+                ids.clone(),
+                n_prompt,
+                Duration::from_millis(e.cfg.lease_ms),
+            );
             let kv = e.params(&request_id, ids, n_prompt);
             let choice = match api {
                 Api::Completions => {
@@ -873,7 +922,11 @@ async fn generate(
                     "simulated decode failure",
                 );
             }
-            let reused = e.pull(params, n_prompt, false).await;
+            let blocks = BlockGuard {
+                ids: e.allocate_blocks(e.blocks_for(n_prompt)),
+                engine: e.clone(),
+            };
+            let reused = e.pull(params, n_prompt, false, &blocks.ids).await;
             let computed = n_prompt - reused;
             e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
             e.stats
@@ -894,9 +947,27 @@ async fn generate(
                 .to_string();
             let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
             if stream {
-                decode_stream(e, api, body, request_id, n_prompt, max_tokens, finish)
+                let job = DecodeJob {
+                    e,
+                    api,
+                    request_id,
+                    n_prompt,
+                    max_tokens,
+                    finish,
+                    blocks,
+                };
+                decode_stream(job, body)
             } else {
-                decode_full(e, api, &body, request_id, n_prompt, max_tokens, finish).await
+                let job = DecodeJob {
+                    e,
+                    api,
+                    request_id,
+                    n_prompt,
+                    max_tokens,
+                    finish,
+                    blocks,
+                };
+                decode_full(job, &body).await
             }
         }
     }
@@ -906,25 +977,33 @@ fn words(max_tokens: u64) -> Vec<String> {
     (0..max_tokens).map(|i| format!("tok{i}")).collect()
 }
 
-async fn decode_full(
+/// One decode request after its prefill part.
+struct DecodeJob {
     e: Arc<Engine>,
     api: Api,
-    body: &Value,
     request_id: String,
     n_prompt: u64,
     max_tokens: u64,
     finish: String,
-) -> Response {
+    blocks: BlockGuard,
+}
+
+async fn decode_full(job: DecodeJob, body: &Value) -> Response {
+    let DecodeJob {
+        e,
+        api,
+        request_id,
+        n_prompt,
+        max_tokens,
+        finish,
+        blocks,
+    } = job;
     sleep_us(e.cfg.decode_us_per_token * max_tokens).await;
     let text = words(max_tokens).join(" ");
     let normal = finish == "stop" || finish == "length";
     let kv = if normal {
         let held = n_prompt + max_tokens - 1;
-        let ids = e.hold(
-            &request_id,
-            held,
-            Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms),
-        );
+        let ids = blocks.extend_and_hold(&request_id, held);
         e.params(&request_id, ids, held)
     } else {
         Value::Null
@@ -958,15 +1037,16 @@ async fn decode_full(
     .into_response()
 }
 
-fn decode_stream(
-    e: Arc<Engine>,
-    api: Api,
-    body: Value,
-    request_id: String,
-    n_prompt: u64,
-    max_tokens: u64,
-    finish: String,
-) -> Response {
+fn decode_stream(job: DecodeJob, body: Value) -> Response {
+    let DecodeJob {
+        e,
+        api,
+        request_id,
+        n_prompt,
+        max_tokens,
+        finish,
+        blocks,
+    } = job;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, Infallible>>(16);
     tokio::spawn(async move {
         let object = if api == Api::Chat {
@@ -1041,11 +1121,7 @@ fn decode_stream(
         }
         if finish == "stop" || finish == "length" {
             let held = n_prompt + max_tokens - 1;
-            let ids = e.hold(
-                &request_id,
-                held,
-                Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms),
-            );
+            let ids = blocks.extend_and_hold(&request_id, held);
             let kv = e.params(&request_id, ids, held);
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
             if tx

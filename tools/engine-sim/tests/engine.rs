@@ -123,3 +123,47 @@ async fn tokenize_matches_generation_prompt_count() {
     .await;
     assert_eq!(r["usage"]["prompt_tokens"], 5);
 }
+
+/// A custom `KvTransfer` sees every READ with the reader's destination blocks.
+#[tokio::test]
+async fn pluggable_transfer_gets_local_and_remote_blocks() {
+    use kvloop_engine_sim::{KvTransfer, ReadFuture, ReadRequest, spawn_with_transfer};
+    use std::sync::{Arc, Mutex};
+    #[derive(Default)]
+    struct Recording(Mutex<Vec<ReadRequest>>);
+    impl KvTransfer for Recording {
+        fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
+            let n = req.num_tokens;
+            self.0.lock().unwrap().push(req);
+            Box::pin(async move { Ok(n) })
+        }
+    }
+    let rec = Arc::new(Recording::default());
+    let p = spawn_with_transfer(cfg(Role::Prefill, "p0"), rec.clone())
+        .await
+        .unwrap();
+    let kv = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_block_ids": [[7, 8, 9]],
+                    "remote_engine_id": "d0", "remote_request_id": "d0-req-1", "remote_host": "[::1]",
+                    "remote_port": 5601, "remote_num_tokens": 40});
+    let (st, r) = post(
+        &format!("{}/v1/completions", p.url()),
+        json!({"prompt": "w ".repeat(50), "max_tokens": 1, "kv_transfer_params": kv}),
+    )
+    .await;
+    assert_eq!(st, 200);
+    assert_eq!(r["kvloop_sim"]["reused_tokens"], 40);
+    let reqs = rec.0.lock().unwrap();
+    assert_eq!(reqs.len(), 1);
+    assert_eq!(reqs[0].remote_block_ids, vec![7, 8, 9]);
+    assert_eq!(
+        reqs[0].local_block_ids.len(),
+        3,
+        "ceil(40 / 16) destination blocks"
+    );
+    assert_eq!(reqs[0].remote_host, "[::1]");
+    // P's own params list all 4 blocks of its 50-token prompt, starting with the READ's destinations.
+    let own: Vec<u32> =
+        serde_json::from_value(r["kv_transfer_params"]["remote_block_ids"][0].clone()).unwrap();
+    assert_eq!(own.len(), 4);
+    assert_eq!(&own[..3], &reqs[0].local_block_ids[..]);
+}
