@@ -143,6 +143,11 @@ struct Shared {
     records: Mutex<Vec<RequestRecord>>,
 }
 
+/// Milliseconds since `t`, rounded to microseconds (keeps the JSON short).
+fn ms_since(t: Instant) -> f64 {
+    (t.elapsed().as_secs_f64() * 1e6).round() / 1e3
+}
+
 fn config_err(field: &str, message: impl Into<String>) -> LoadgenError {
     LoadgenError::Config {
         field: field.into(),
@@ -219,7 +224,7 @@ pub async fn run_mode(
     records.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
     Ok(ModeRun {
         mode: mode.to_string(),
-        wall_ms: start.elapsed().as_secs_f64() * 1e3,
+        wall_ms: ms_since(start),
         records,
         meta: Map::new(),
     })
@@ -329,7 +334,7 @@ async fn send_turn(
         ttft_ms: None,
         tpot_ms: None,
         latency_ms: 0.0,
-        start_ms: s.start.elapsed().as_secs_f64() * 1e3,
+        start_ms: ms_since(s.start),
         error: None,
     };
     let t0 = Instant::now();
@@ -340,12 +345,13 @@ async fn send_turn(
     )
     .await
     .unwrap_or_else(|_| Err(format!("timed out after {:?}", s.cfg.request_timeout)));
-    rec.latency_ms = t0.elapsed().as_secs_f64() * 1e3;
+    rec.latency_ms = ms_since(t0);
     if rec.output_tokens == 0 {
         rec.output_tokens = s.tok.count(&answer) as u64;
     }
     if let (Some(ttft), true) = (rec.ttft_ms, rec.output_tokens > 1) {
-        rec.tpot_ms = Some((rec.latency_ms - ttft) / (rec.output_tokens - 1) as f64);
+        rec.tpot_ms =
+            Some(((rec.latency_ms - ttft) / (rec.output_tokens - 1) as f64 * 1e3).round() / 1e3);
     }
     if let Err(e) = result {
         warn!(conversation_id = cid, turn, "request failed: {e}");
@@ -395,7 +401,7 @@ async fn stream_answer(
             StreamEvent::Error(e) => Err(format!("error in stream: {e}")),
             StreamEvent::Chunk(c) => {
                 if rec.ttft_ms.is_none() && (!c.content.is_empty() || !c.reasoning.is_empty()) {
-                    rec.ttft_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+                    rec.ttft_ms = Some(ms_since(t0));
                 }
                 answer.push_str(&c.content);
                 if let Some(p) = c.prompt_tokens {
