@@ -104,12 +104,13 @@ def field_docs(rel: str, struct: str) -> dict[str, str]:
 
 
 def summarize(text: str) -> str:
-    text = re.sub(r"\s*\[[^\[\]]*\]\.?\s*$", "", text)          # trailing "[default]"
-    text = re.sub(r"\s*Default:?\s[^.]*(\([^)]*\))?[^.]*\.?", "", text)  # "Default 16 (...)."
-    text = text.strip().replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
-    first = re.split(r"(?<=[.;])\s", text, maxsplit=1)[0].replace("\0", " ")
-    first = first.rstrip(".;").replace("|", "\\|")
-    return first or "-"
+    """First sentence of a docstring, without default annotations."""
+    text = re.sub(r"\s*\[[^\[\]]*\]\.?\s*$", "", text.strip())       # trailing "[default]"
+    text = text.replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
+    sentences = [x.replace("\0", " ") for x in re.split(r"(?<=\.)\s+", text) if x]
+    sentences = [x for x in sentences if not re.match(r"Default\b", x)]
+    first = sentences[0].rstrip(".") if sentences else "-"
+    return first.replace("|", "\\|")
 
 
 def run_print_config(binary: Path, toml_text: str | None) -> dict:
@@ -159,6 +160,10 @@ def flatten(defaults: dict, entries: dict, structs: dict) -> list[tuple[str, str
             else:
                 shown = MACHINE_DEFAULTS.get(path, toml_literal(v))
                 rows.append((path, shown, EXTRA_DOCS.get(path, docs.get(k, "-"))))
+        # Fields serde did not print are `Option`s that are unset by default.
+        for k, doc in docs.items():
+            if k not in d:
+                rows.append((f"{prefix}{k}", "none", doc))
 
     walk("", defaults, "")
     return rows
@@ -167,7 +172,7 @@ def flatten(defaults: dict, entries: dict, structs: dict) -> list[tuple[str, str
 def table(rows, required: set[str]) -> str:
     out = ["| key | default | meaning |", "|---|---|---|"]
     for k, d, m in rows:
-        shown = "required" if k in required else f"`{d}`"
+        shown = "required" if k in required else ("none" if d == "none" else f"`{d}`")
         out.append(f"| `{k}` | {shown} | {m} |")
     return "\n".join(out)
 
