@@ -90,7 +90,7 @@ pub enum Input {
     /// A conversation list, ready to send.
     Conversations(Vec<Conversation>),
     /// A description to expand with [`crate::generate::generate_conversations`].
-    Generate(GenerateSpec),
+    Generate(Box<GenerateSpec>),
 }
 
 /// Parses either input shape from JSON text.
@@ -108,7 +108,7 @@ pub fn parse_input_value(v: &Value) -> Result<Input> {
         Value::Array(_) => Ok(Input::Conversations(parse_conversations(v)?)),
         Value::Object(o) => match o.get("filetype") {
             Some(Value::String(s)) if s == "generate_conversations" => {
-                Ok(Input::Generate(parse_generate_spec(v)?))
+                Ok(Input::Generate(Box::new(parse_generate_spec(v)?)))
             }
             Some(_) => Err(LoadgenError::field(
                 "filetype",

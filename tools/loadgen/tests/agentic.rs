@@ -126,7 +126,7 @@ fn default_roots_find_toolchain_or_registry_sources() {
 fn empty_roots_are_an_error() {
     let dir = std::env::temp_dir().join(format!("kvloop-loadgen-empty-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let e = SourceCorpus::discover(&[dir.clone()], 10).unwrap_err();
+    let e = SourceCorpus::discover(std::slice::from_ref(&dir), 10).unwrap_err();
     assert!(e.to_string().contains("no source files"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

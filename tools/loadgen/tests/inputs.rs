@@ -250,7 +250,7 @@ fn generate_conversations_on_real_text_is_deterministic_and_sized() {
     for (i, conv) in a.iter().enumerate() {
         assert_eq!(conv.id, format!("CONV_ID_{i}"));
         let n = conv.messages.len();
-        assert!(n >= 4 && n <= 6 && n % 2 == 0, "{n} messages");
+        assert!((4..=6).contains(&n) && n % 2 == 0, "{n} messages");
         for (j, m) in conv.messages.iter().enumerate() {
             assert_eq!(m.role, if j % 2 == 0 { "user" } else { "assistant" });
         }

@@ -16,8 +16,11 @@ use kvloop_loadgen::tokenizer::TokenCounter;
 use kvloop_loadgen::{Conversation, Message, chart};
 use serde_json::{Value, json};
 
+/// One request the mock saw: its `X-Session-ID` header and its body.
+type SeenRequest = (Option<String>, Value);
+
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(Option<String>, Value)>>>);
+struct Seen(Arc<Mutex<Vec<SeenRequest>>>);
 
 /// The answer the mock gives: unique per conversation and turn, so the test
 /// can find it in the next request's history.
