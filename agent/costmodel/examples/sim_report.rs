@@ -5,6 +5,8 @@
 //! Prints: threshold vs true break-even at several link rates and prefill
 //! profiles; convergence time after bandwidth ÷ 4; threshold changes
 //! (flapping) over 10 minutes of steady noisy traffic. Every run is seeded.
+//! `KVLOOP_COSTMODEL_TOML=path` runs it with a cost model config from a TOML
+//! file (the `[cost_model]` table's fields) instead of the defaults.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -13,6 +15,20 @@ use kvloop_costmodel::*;
 use std::time::Duration;
 
 const S: Duration = Duration::from_secs(1);
+
+fn cfg() -> CostModelConfig {
+    match std::env::var("KVLOOP_COSTMODEL_TOML") {
+        Ok(path) => {
+            let text =
+                std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+            let c: CostModelConfig =
+                toml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+            c.validate().unwrap_or_else(|e| panic!("{path}: {e}"));
+            c
+        }
+        Err(_) => CostModelConfig::default(),
+    }
+}
 
 fn main() {
     let seeds: Vec<u64> = (1..=5).collect();
@@ -51,7 +67,7 @@ fn main() {
                     seed,
                     ..SimParams::default()
                 },
-                CostModelConfig::default(),
+                cfg(),
                 link(gbit),
                 prefill,
             );
@@ -103,15 +119,11 @@ fn main() {
                 4.0,
                 60 * S,
                 60 * S,
+                cfg(),
             );
             let (conv, truth, sim) = (res.converged, res.truth, res.sim);
             reached.push(res.reached.map(|d| d.as_secs_f64()));
-            let c0 = Sim::new(
-                SimParams::default(),
-                CostModelConfig::default(),
-                link(gbit),
-                prefill,
-            );
+            let c0 = Sim::new(SimParams::default(), cfg(), link(gbit), prefill);
             tb = c0.truth();
             ta = truth;
             finals.push(sim.threshold());
@@ -164,7 +176,7 @@ fn main() {
                 outlier_frac: outliers,
                 ..SimParams::default()
             };
-            let mut sim = Sim::new(params, CostModelConfig::default(), link(gbit), prefill);
+            let mut sim = Sim::new(params, cfg(), link(gbit), prefill);
             sim.run_for(180 * S);
             let t0 = sim.now;
             sim.run_for(600 * S);
@@ -182,12 +194,7 @@ fn main() {
     }
 
     // Cost of one update (release build), for the agent's CPU budget.
-    let mut sim = Sim::new(
-        SimParams::default(),
-        CostModelConfig::default(),
-        link(100.0),
-        PREFILL_TP1,
-    );
+    let mut sim = Sim::new(SimParams::default(), cfg(), link(100.0), PREFILL_TP1);
     sim.run_for(120 * S);
     let t = std::time::Instant::now();
     let n = 200;

@@ -54,15 +54,18 @@ impl Default for SourceWeights {
 #[serde(default, deny_unknown_fields)]
 pub struct CostModelConfig {
     /// Half-life of a transfer sample's weight in the transfer fit, ms.
-    /// Default 20000 ms: long enough that ±20 % noise averages out; a step
-    /// change is followed much faster through the change detector.
+    /// Default 60000 ms: long enough that ±20 % noise averages out (the
+    /// break-even of an ill-conditioned pair moves 3–4 % per 1 % of error in
+    /// the per-token READ cost); a step change is followed within seconds
+    /// through the change detector, not through the decay.
     pub transfer_half_life_ms: u64,
     /// Half-life of a prefill sample's weight in the prefill fit, ms.
     /// Default 60000 ms (prefill cost changes with load, more slowly than a
     /// link; steps are caught by the change detector).
     pub prefill_half_life_ms: u64,
     /// Samples kept per model (peer × direction, or prefill engine); the oldest
-    /// are dropped first. Default 1024.
+    /// are dropped first. Default 2048 (≈ 4 min of probes every 250 ms plus
+    /// 5 READs/s; an update with two full windows costs ≈ 0.3 ms).
     pub max_samples_per_model: usize,
     /// Samples older than this are dropped, ms. Default 120000 (2 min).
     pub max_sample_age_ms: u64,
@@ -152,9 +155,9 @@ pub struct CostModelConfig {
 impl Default for CostModelConfig {
     fn default() -> Self {
         CostModelConfig {
-            transfer_half_life_ms: 20_000,
+            transfer_half_life_ms: 60_000,
             prefill_half_life_ms: 60_000,
-            max_samples_per_model: 1024,
+            max_samples_per_model: 2048,
             max_sample_age_ms: 120_000,
             min_samples: 6,
             staleness_half_life_ms: 30_000,

@@ -17,10 +17,47 @@
 //!   them (`bytes = R·bytes_per_token`, `descriptors = ceil(R/block)·regions`)
 //!   costs as much as recomputing them (`R·(k1 + k2·R/2)`).
 //!
+//! ```
+//! use kvloop_costmodel::*;
+//! use std::time::Duration;
+//!
+//! let mut m = CostModel::new(CostModelConfig::default()).unwrap();
+//! m.upsert_pair(PairSpec {
+//!     prefill_engine_id: "p0".into(),
+//!     decode_engine_id: "d0".into(),
+//!     decode_peer: "node-d".into(),
+//!     shape: KvShape { bytes_per_token: 262_144, block_size_tokens: 16, regions_per_block: 128 },
+//! })
+//! .unwrap();
+//! for i in 0..40u64 {
+//!     let at = Instant::from_millis(i * 250);
+//!     let blocks = [1, 64, 8, 256][i as usize % 4];
+//!     let bytes = blocks * 16 * 262_144;
+//!     // 10 ms fixed + 12.5 GB/s.
+//!     let latency = Duration::from_secs_f64(0.010 + bytes as f64 / 12.5e9);
+//!     let s = TransferSample { at, bytes, descriptors: blocks * 128, latency, source: SampleSource::ActiveProbe };
+//!     m.record_transfer("node-d", Direction::Inbound, s).unwrap();
+//!     let prompt = 256 << (i % 6);
+//!     let latency = Duration::from_secs_f64((5.0 + prompt as f64 * 0.16) / 1e3);
+//!     let s = PrefillSample { at, prompt_tokens: prompt, reused_tokens: 0, latency, source: SampleSource::Ebpf };
+//!     m.record_prefill("p0", s).unwrap();
+//!     m.update(at);
+//! }
+//! // 10 ms / (0.16 − 0.021) ms per token ≈ 72 tokens.
+//! let t = m.threshold_tokens("p0", "d0").unwrap();
+//! assert!((65..80).contains(&t), "{t}");
+//! let push = m.pair_thresholds(Duration::from_secs(15)); // → ThresholdUpdate::pairs
+//! assert_eq!(push[0].threshold_tokens, t);
+//! println!("{}", m.explain("p0", "d0", Instant::from_millis(10_000)).unwrap());
+//! ```
+//!
 //! Both fits are robust, time-decayed, relative-error IRLS (Huber then
-//! Tukey bisquare; see the `fit` module for why). The published threshold has
-//! hysteresis, bounds and a confidence (see the `threshold` module for the
-//! policy and its reasons).
+//! Tukey bisquare; see the `fit` module for why), with sample weights
+//! `2^(-age / half_life)` (the time decay of linkerd2-proxy's EWMA, applied
+//! to a regression instead of a mean) and a CUSUM change detector that drops
+//! the samples of a previous regime. The published threshold has hysteresis
+//! (a band from the break-even's standard error, a dwell time), bounds and a
+//! confidence (see the `threshold` module for the policy and its reasons).
 #![deny(missing_docs)]
 // `!(x > 0.0)` is used on purpose: it is true for NaN, which must take the
 // same branch as a non-positive value.

@@ -458,8 +458,13 @@ mod tests {
         // Below min_confidence: stays at the static default.
         assert!(s.step(t(1), &cfg, est(5000, 0.2, 0.1, (0, 0))).is_none());
         assert_eq!((s.published, s.state), (64, ThresholdState::StaticDefault));
-        let c = s.step(t(2), &cfg, est(5000, 0.5, 0.1, (0, 0))).expect("published at once");
-        assert_eq!((c.from_tokens, c.to_tokens, c.reason), (64, 5000, ChangeReason::FirstEstimate));
+        let c = s
+            .step(t(2), &cfg, est(5000, 0.5, 0.1, (0, 0)))
+            .expect("published at once");
+        assert_eq!(
+            (c.from_tokens, c.to_tokens, c.reason),
+            (64, 5000, ChangeReason::FirstEstimate)
+        );
     }
 
     #[test]
@@ -472,15 +477,32 @@ mod tests {
         assert!(s.pending.is_none());
         // Outside, but not for long enough; then back inside resets the dwell.
         assert!(s.step(t(200), &cfg, est(1200, 1.0, 0.01, (0, 0))).is_none());
-        assert!(s.step(t(2100), &cfg, est(1200, 1.0, 0.01, (0, 0))).is_none());
-        assert!(s.step(t(2150), &cfg, est(1050, 1.0, 0.01, (0, 0))).is_none());
-        assert!(s.step(t(2200), &cfg, est(1200, 1.0, 0.01, (0, 0))).is_none());
-        assert!(s.step(t(4199), &cfg, est(1200, 1.0, 0.01, (0, 0))).is_none());
-        let c = s.step(t(4200), &cfg, est(1210, 1.0, 0.01, (0, 0))).expect("moved after 2 s");
+        assert!(
+            s.step(t(2100), &cfg, est(1200, 1.0, 0.01, (0, 0)))
+                .is_none()
+        );
+        assert!(
+            s.step(t(2150), &cfg, est(1050, 1.0, 0.01, (0, 0)))
+                .is_none()
+        );
+        assert!(
+            s.step(t(2200), &cfg, est(1200, 1.0, 0.01, (0, 0)))
+                .is_none()
+        );
+        assert!(
+            s.step(t(4199), &cfg, est(1200, 1.0, 0.01, (0, 0)))
+                .is_none()
+        );
+        let c = s
+            .step(t(4200), &cfg, est(1210, 1.0, 0.01, (0, 0)))
+            .expect("moved after 2 s");
         assert_eq!(c.to_tokens, 1210);
         assert!(matches!(c.reason, ChangeReason::OutsideBand { .. }));
         // Switching sides restarts the dwell.
-        assert!(s.step(t(5000), &cfg, est(1500, 1.0, 0.01, (0, 0))).is_none());
+        assert!(
+            s.step(t(5000), &cfg, est(1500, 1.0, 0.01, (0, 0)))
+                .is_none()
+        );
         assert!(s.step(t(6000), &cfg, est(900, 1.0, 0.01, (0, 0))).is_none());
         assert!(s.step(t(7500), &cfg, est(900, 1.0, 0.01, (0, 0))).is_none());
         assert!(s.step(t(8000), &cfg, est(900, 1.0, 0.01, (0, 0))).is_some());
@@ -493,7 +515,10 @@ mod tests {
         s.step(t(0), &cfg, est(1000, 1.0, 0.10, (0, 0)));
         // se 10 % → band 30 %: a 25 % move is noise.
         for i in 1..20 {
-            assert!(s.step(t(i * 500), &cfg, est(1250, 1.0, 0.10, (0, 0))).is_none());
+            assert!(
+                s.step(t(i * 500), &cfg, est(1250, 1.0, 0.10, (0, 0)))
+                    .is_none()
+            );
         }
         assert!((s.band_rel - 0.30).abs() < 1e-9);
         // Low confidence (0.4, se 1 %): band 8 % / 0.4 = 20 %.
@@ -507,9 +532,15 @@ mod tests {
         let mut s = PairThresholdState::new(&cfg);
         s.step(t(0), &cfg, est(3000, 0.9, 0.02, (0, 0)));
         for i in 1..10 {
-            assert!(s.step(t(i * 1000), &cfg, est(9000, 0.1, 0.02, (0, 0))).is_none());
+            assert!(
+                s.step(t(i * 1000), &cfg, est(9000, 0.1, 0.02, (0, 0)))
+                    .is_none()
+            );
         }
-        assert_eq!((s.published, s.state), (3000, ThresholdState::HeldLowConfidence));
+        assert_eq!(
+            (s.published, s.state),
+            (3000, ThresholdState::HeldLowConfidence)
+        );
         assert!(s.step(t(20_000), &cfg, None).is_none());
         assert_eq!(s.published, 3000);
     }
@@ -520,15 +551,25 @@ mod tests {
         let mut s = PairThresholdState::new(&cfg);
         s.step(t(0), &cfg, est(1000, 0.9, 0.20, (0, 0)));
         // se 20 % → 10 %, estimate 25 % away (> 2 se): refined at once.
-        let c = s.step(t(100), &cfg, est(1250, 0.9, 0.10, (0, 0))).expect("refined");
+        let c = s
+            .step(t(100), &cfg, est(1250, 0.9, 0.10, (0, 0)))
+            .expect("refined");
         assert!(matches!(c.reason, ChangeReason::Refined { .. }), "{c:?}");
         // Same precision: a 15 % difference (inside 30 % band) does nothing.
-        assert!(s.step(t(5000), &cfg, est(1100, 0.9, 0.10, (0, 0))).is_none());
+        assert!(
+            s.step(t(5000), &cfg, est(1100, 0.9, 0.10, (0, 0)))
+                .is_none()
+        );
         // 28 % away, inside the 30 % band, not more precise: nothing...
-        assert!(s.step(t(5050), &cfg, est(1600, 0.9, 0.10, (0, 0))).is_none());
+        assert!(
+            s.step(t(5050), &cfg, est(1600, 0.9, 0.10, (0, 0)))
+                .is_none()
+        );
         // ...until a change point in the transfer model resets the published
         // precision: then it follows the new regime at once.
-        let c = s.step(t(5100), &cfg, est(1600, 0.9, 0.10, (1, 0))).expect("follows the new regime");
+        let c = s
+            .step(t(5100), &cfg, est(1600, 0.9, 0.10, (1, 0)))
+            .expect("follows the new regime");
         assert_eq!(c.to_tokens, 1600);
     }
 
@@ -540,7 +581,9 @@ mod tests {
         let c = s.invalidate(t(1), &cfg, "eth1 down").expect("change");
         assert_eq!(c.to_tokens, cfg.max_threshold_tokens);
         assert!(s.invalidate(t(2), &cfg, "again").is_none());
-        let c = s.step(t(3), &cfg, est(3100, 0.9, 0.02, (0, 0))).expect("first estimate again");
+        let c = s
+            .step(t(3), &cfg, est(3100, 0.9, 0.02, (0, 0)))
+            .expect("first estimate again");
         assert_eq!(c.reason, ChangeReason::FirstEstimate);
         assert_eq!(s.history.len(), 3);
     }

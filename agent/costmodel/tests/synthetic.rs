@@ -89,7 +89,15 @@ fn converges_within_10_s_after_bandwidth_divided_by_4() {
                 seed,
                 ..SimParams::default()
             };
-            let r = step_convergence(params, prefill, gbit, 4.0, 60 * S, 30 * S);
+            let r = step_convergence(
+                params,
+                prefill,
+                gbit,
+                4.0,
+                60 * S,
+                30 * S,
+                CostModelConfig::default(),
+            );
             let conv = r.converged.unwrap_or_else(|| {
                 panic!(
                     "{gbit} Gbit/s seed {seed}: not converged\n{}",
@@ -139,7 +147,15 @@ fn converges_within_10_s_after_bandwidth_divided_by_4() {
             seed,
             ..SimParams::default()
         };
-        let r = step_convergence(params, PREFILL_TP8, 400.0, 4.0, 60 * S, 10 * S);
+        let r = step_convergence(
+            params,
+            PREFILL_TP8,
+            400.0,
+            4.0,
+            60 * S,
+            10 * S,
+            CostModelConfig::default(),
+        );
         assert!(
             rel_err(r.sim.threshold(), r.truth) <= 0.2,
             "seed {seed}\n{}",
@@ -372,7 +388,15 @@ fn invalidated_path_recomputes_then_recovers() {
 
 #[test]
 fn explain_renders_and_serializes() {
-    let r = step_convergence(SimParams::default(), PREFILL_TP1, 40.0, 4.0, 30 * S, 15 * S);
+    let r = step_convergence(
+        SimParams::default(),
+        PREFILL_TP1,
+        40.0,
+        4.0,
+        30 * S,
+        15 * S,
+        CostModelConfig::default(),
+    );
     let ex = r.sim.explain();
     let text = ex.to_string();
     for needle in [

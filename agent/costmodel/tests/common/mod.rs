@@ -319,13 +319,9 @@ pub fn step_convergence(
     factor: f64,
     warmup: Duration,
     after: Duration,
+    cfg: CostModelConfig,
 ) -> StepResult {
-    let mut sim = Sim::new(
-        params,
-        CostModelConfig::default(),
-        link(gbit_before),
-        prefill,
-    );
+    let mut sim = Sim::new(params, cfg, link(gbit_before), prefill);
     sim.run_for(warmup);
     let before = sim.threshold();
     let t_step = sim.now;
