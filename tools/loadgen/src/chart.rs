@@ -79,6 +79,9 @@ where
     let mut mesh = chart.configure_mesh();
     if text {
         mesh.x_desc("prompt tokens")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(WHITE.mix(0.0))
             .y_desc("TTFT (ms)")
             .label_style(("sans-serif", 16))
             .axis_desc_style(("sans-serif", 18));

@@ -113,7 +113,25 @@ pub struct RequestRecord {
     pub start_ms: f64,
     /// Error, when the request failed (HTTP status, transport, stream cut).
     pub error: Option<String>,
+    /// What the server said beyond the OpenAI fields: response headers named
+    /// `x-kvloop-*` (lower-case name → string) and non-standard top-level
+    /// fields of stream chunks (e.g. `kv_transfer_params`; last one wins).
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub server_info: Map<String, Value>,
 }
+
+/// Top-level fields of a `chat.completion.chunk` that are not copied into
+/// [`RequestRecord::server_info`].
+const STANDARD_CHUNK_FIELDS: &[&str] = &[
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "usage",
+    "system_fingerprint",
+    "service_tier",
+];
 
 /// All requests of one run of a conversation set, labelled by mode.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -336,6 +354,7 @@ async fn send_turn(
         latency_ms: 0.0,
         start_ms: ms_since(s.start),
         error: None,
+        server_info: Map::new(),
     };
     let t0 = Instant::now();
     let mut answer = String::new();
@@ -388,6 +407,13 @@ async fn stream_answer(
             text.chars().take(300).collect::<String>()
         ));
     }
+    for (name, value) in resp.headers() {
+        if name.as_str().starts_with("x-kvloop-") {
+            let v = String::from_utf8_lossy(value.as_bytes()).into_owned();
+            rec.server_info
+                .insert(name.as_str().to_string(), Value::String(v));
+        }
+    }
     let mut parser = SseParser::new();
     let mut stream = resp.bytes_stream();
     let mut done = false;
@@ -396,6 +422,13 @@ async fn stream_answer(
                       rec: &mut RequestRecord,
                       answer: &mut String|
      -> std::result::Result<bool, String> {
+        if let Ok(Value::Object(o)) = serde_json::from_str::<Value>(&data) {
+            for (k, v) in o {
+                if !STANDARD_CHUNK_FIELDS.contains(&k.as_str()) && k != "error" {
+                    rec.server_info.insert(k, v);
+                }
+            }
+        }
         match parse_event(&data)? {
             StreamEvent::Done => Ok(true),
             StreamEvent::Error(e) => Err(format!("error in stream: {e}")),

@@ -19,6 +19,7 @@ fn report() -> Report {
             latency_ms: 100.0 * i as f64,
             start_ms: 0.0,
             error: None,
+            server_info: Default::default(),
         })
         .collect();
     r.push(ModeRun {

@@ -60,6 +60,7 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: axum::body::By
         "data: {}\n\n",
         json!({"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 1000 + n, "completion_tokens": words.len()}})
     ));
+    out.push_str(&format!("data: {}\n\n", json!({"object": "chat.completion.chunk", "choices": [], "kv_transfer_params": {"remote_num_tokens": n}})));
     out.push_str("data: [DONE]\n\n");
     // Split the stream into small pieces so events straddle reads.
     let pieces: Vec<Result<bytes::Bytes, std::convert::Infallible>> = out
@@ -69,6 +70,7 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: axum::body::By
         .collect();
     Response::builder()
         .header("content-type", "text/event-stream")
+        .header("x-kvloop-decision", "recompute")
         .body(Body::from_stream(futures_util::stream::iter(pieces)))
         .unwrap()
 }
@@ -174,6 +176,11 @@ async fn sends_session_and_feeds_answers_back() {
         );
         assert!(r.tpot_ms.is_some());
         assert!(r.input_tokens > 0);
+        assert_eq!(r.server_info["x-kvloop-decision"], "recompute");
+        assert_eq!(
+            r.server_info["kv_transfer_params"]["remote_num_tokens"],
+            n_messages
+        );
     }
     // Turns of one conversation grow in input tokens.
     for c in ["conv0@OFF", "conv1@OFF", "conv2@OFF"] {
