@@ -51,9 +51,11 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
 static PENDING: LruHashMap<PendingKey, PendingXfer> = LruHashMap::with_max_entries(65536, 0);
 
 /// kvloop sites: post time of READs in flight, by (tgid, xfer_id). Only the
-/// time is kept: `read_done` carries every other field.
+/// time is kept: `read_done` carries every other field. A plain
+/// (preallocated) hash, cheaper than an LRU on this hot path; entries of
+/// processes that died between post and done are swept by the loader.
 #[map]
-static KV_START: LruHashMap<PendingKey, u64> = LruHashMap::with_max_entries(65536, 0);
+static KV_START: HashMap<PendingKey, u64> = HashMap::with_max_entries(65536, 0);
 
 #[map]
 static XFER_HIST: PerCpuHashMap<XferHistKey, LatencyHist> =
