@@ -624,6 +624,8 @@ impl fmt::Display for Explain {
                     ),
                     crate::threshold::ChangeReason::PathInvalidated { detail } =>
                         format!("path invalidated: {detail}"),
+                    crate::threshold::ChangeReason::RegimeChange { cause, detail } =>
+                        format!("regime change detected; cause {cause:?}: {detail}"),
                     crate::threshold::ChangeReason::Refined {
                         from_se_rel,
                         to_se_rel,

@@ -68,6 +68,15 @@ pub enum ChangeReason {
         /// Relative standard error of the new value.
         to_se_rel: f64,
     },
+    /// A model's change detector found a regime change (a persistent shift
+    /// of its samples), and the threshold followed the new regime's first
+    /// confident estimate at once.
+    RegimeChange {
+        /// Coefficient group whose change moved the break-even most.
+        cause: CauseKind,
+        /// Human-readable detail of the cause (old → new value).
+        detail: String,
+    },
     /// The estimate stayed outside the hysteresis band for the dwell time.
     OutsideBand {
         /// Band used, relative.
@@ -154,6 +163,8 @@ pub(crate) struct PairThresholdState {
     pub published_se_rel: f64,
     /// Change epochs of the models when the value was published.
     pub published_epoch: (u64, u64),
+    /// A regime change happened since the last publish.
+    pub regime_changed: bool,
 }
 
 fn pct(old: f64, new: f64) -> String {
@@ -233,6 +244,7 @@ impl PairThresholdState {
             band_rel: cfg.band_rel,
             published_se_rel: 1.0,
             published_epoch: (0, 0),
+            regime_changed: false,
         }
     }
 
@@ -332,6 +344,7 @@ impl PairThresholdState {
         if est.epoch != self.published_epoch {
             self.published_epoch = est.epoch;
             self.published_se_rel = 1.0;
+            self.regime_changed = true;
         }
         let p = self.published as f64;
         let e = est.tokens as f64;
@@ -372,7 +385,9 @@ impl PairThresholdState {
                 "no earlier model".to_string(),
             ),
         };
-        let reason = if outside {
+        let reason = if refine && self.regime_changed {
+            ChangeReason::RegimeChange { cause, detail }
+        } else if outside {
             ChangeReason::OutsideBand {
                 band_rel: self.band_rel,
                 outside_for_ms: outside_for.as_secs_f64() * 1e3,
@@ -386,6 +401,7 @@ impl PairThresholdState {
             }
         };
         self.pending = None;
+        self.regime_changed = false;
         self.published_coefficients = Some(est.coefficients.clone());
         self.published_se_rel = est.se_rel;
         let from = self.published;
