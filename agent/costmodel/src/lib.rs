@@ -58,6 +58,40 @@
 //! the samples of a previous regime. The published threshold has hysteresis
 //! (a band from the break-even's standard error, a dwell time), bounds and a
 //! confidence (see the `threshold` module for the policy and its reasons).
+//!
+//! ## Threshold policy
+//!
+//! - Before a pair's first confident estimate: the static default (vLLM's 64
+//!   tokens), which is what a router would use anyway.
+//! - The first estimate with confidence ≥ `min_confidence` is published at
+//!   once (64 is known to be far from typical break-evens).
+//! - Then the threshold moves only when the estimate stays outside
+//!   `published × (1 ± band)` for `dwell_ms`, with
+//!   `band = max(band_rel, band_sigmas × se) / confidence` (capped at
+//!   `max_band_rel`), `se` the break-even's relative standard error (delta
+//!   method from the fits' covariances). Few, old or noisy samples widen it.
+//! - Refinement: once the standard error has fallen by `refine_se_factor`
+//!   since the last publish, an estimate more than `max(refine_min_rel, 2 se)`
+//!   away is published at once (bounded: precision cannot keep improving).
+//! - Regime change: the CUSUM detector of a model (a persistent shift of new
+//!   samples against the fit) drops the old regime's samples and lets the
+//!   pair follow the new regime's first confident estimate at once.
+//! - Low confidence (few or old samples): the threshold **holds the last good
+//!   value**, not the static 64. The last good value was measured on this
+//!   pair, 64 never was; a stale value errs by the drift since, 64 by the whole
+//!   break-even. The low confidence travels with the coefficients, and the
+//!   push's `valid_for_ms` bounds how long a router trusts it.
+//! - A path invalidated by the network state (`invalidate_peer`, link down)
+//!   publishes `max_threshold_tokens` (recompute) at once.
+//!
+//! ## Confidence
+//!
+//! Per model: `n/(n + confidence_half_samples)` (Kish effective sample count
+//! of the inliers) × `2^(−age of newest sample / staleness_half_life)` ×
+//! a penalty when a coefficient is fixed at its prior (0.5 for the
+//! bandwidth or the linear prefill cost, 0.8 for the attention cost;
+//! `(1 + penalty)/2` when fixed at a last good value) × `1/(1 + (residual/0.5)²)`. Per pair: the
+//! minimum of its transfer and prefill models.
 #![deny(missing_docs)]
 // `!(x > 0.0)` is used on purpose: it is true for NaN, which must take the
 // same branch as a non-positive value.
