@@ -1,6 +1,7 @@
 //! Summaries of one or several runs (modes) of the same conversation set:
 //! per mode and prompt-length bucket, count, TTFT p50/p90, TPOT p50, latency
 //! p50; a text table and a JSON report.
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -56,6 +57,33 @@ pub struct BucketSummary {
     pub tpot_ms_p50: Option<f64>,
     /// Latency median, ms.
     pub latency_ms_p50: Option<f64>,
+    /// Median of every numeric [`RequestRecord::server_info`] entry (a JSON
+    /// number or a string that parses as one, e.g. a header
+    /// `x-kvloop-transfer-ms: 42`) over the bucket's successful requests.
+    ///
+    /// [`RequestRecord::server_info`]: crate::client::RequestRecord::server_info
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub server_p50: BTreeMap<String, f64>,
+}
+
+fn server_p50(records: &[&&crate::client::RequestRecord]) -> BTreeMap<String, f64> {
+    let mut values: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in records {
+        for (k, v) in &r.server_info {
+            let x = match v {
+                Value::Number(n) => n.as_f64(),
+                Value::String(s) => s.trim().parse::<f64>().ok(),
+                _ => None,
+            };
+            if let Some(x) = x.filter(|x| x.is_finite()) {
+                values.entry(k.clone()).or_default().push(x);
+            }
+        }
+    }
+    values
+        .into_iter()
+        .filter_map(|(k, v)| percentile(&v, 0.5).map(|p| (k, p)))
+        .collect()
 }
 
 /// Runs of the same conversation set under several modes, merged.
@@ -133,6 +161,7 @@ impl Report {
                     ttft_ms_p90: percentile(&ttft, 0.9),
                     tpot_ms_p50: percentile(&tpot, 0.5),
                     latency_ms_p50: percentile(&lat, 0.5),
+                    server_p50: server_p50(&ok),
                 });
             }
         }

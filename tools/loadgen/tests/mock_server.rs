@@ -71,6 +71,7 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: axum::body::By
     Response::builder()
         .header("content-type", "text/event-stream")
         .header("x-kvloop-decision", "recompute")
+        .header("x-kvloop-transfer-ms", format!("{}", 10 * n))
         .body(Body::from_stream(futures_util::stream::iter(pieces)))
         .unwrap()
 }
@@ -272,6 +273,15 @@ async fn several_modes_merge_into_one_report_and_chart() {
     assert!(
         rows.iter()
             .all(|r| r.ttft_ms_p50.is_some() && r.errors == 0)
+    );
+    // Numeric server-reported values are summarized per bucket.
+    assert!(
+        rows.iter()
+            .all(|r| r.server_p50.contains_key("x-kvloop-transfer-ms"))
+    );
+    assert!(
+        rows.iter()
+            .all(|r| !r.server_p50.contains_key("x-kvloop-decision"))
     );
     let dir = std::env::temp_dir().join(format!("kvloop-loadgen-report-{}", std::process::id()));
     let json_path = dir.join("report.json");
