@@ -49,6 +49,38 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
+pub mod kv;
+pub mod metrics;
+pub mod profile;
+
+pub use kv::{DataplaneTransfer, KvMemory, KvShape, VerifyOutcome};
+pub use profile::CostProfile;
+
+/// Where an engine's KV lives and who performs its READs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvMode {
+    /// No KV memory: READs are simulated by [`SimulatedTransfer`] (a sleep).
+    None,
+    /// Real memfd KV regions and an in-process transfer engine that does the
+    /// engine's own READs (observe mode, like stock vLLM with NIXL).
+    Inproc,
+    /// Real KV regions registered with the node agent, which does the READs
+    /// (managed mode). Not available in this build: refused at start.
+    Agent,
+}
+
+/// How prompts become tokens (both roles must agree).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per whitespace-separated word ([`tokenize_text`]).
+    Words,
+    /// Word pieces ([`tokenize_pieces`]): about as many tokens as a BPE
+    /// tokenizer (cl100k) on source code, still prefix-stable at word boundaries.
+    Pieces,
+}
+
 /// Role of a simulated engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -118,6 +150,40 @@ pub struct SimConfig {
     /// Do not serve `/tokenize` (404), like an engine without that endpoint.
     #[arg(long)]
     pub no_tokenize: bool,
+    /// Prefill cost profile (`qwen3-32b-h200`, `glm-5-fp8-h200`); replaces
+    /// `prefill_us_per_token` with `t0 + new × (a + b × (ctx + new/2))` (see [`profile`]).
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// Multiplies every simulated compute time (prefill, decode); 0.5 runs
+    /// twice as fast as real time. Transfers are real and never scaled.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// KV memory and READs: `none` (simulated), `inproc` (real memfd KV and
+    /// in-process READs), `agent` (managed by the node agent).
+    #[arg(long, value_enum, default_value = "none")]
+    pub kv_mode: KvMode,
+    /// KV bytes per token over all layers (scaled; see [`kv`]). Default
+    /// 2048 = 4 layers × 512 B (real Qwen3-32B: 256 KiB, 32 KiB per GPU at TP 8).
+    #[arg(long, default_value_t = 2048)]
+    pub kv_bytes_per_token: u64,
+    /// Simulated layers (one memory region each).
+    #[arg(long, default_value_t = 4)]
+    pub kv_layers: u32,
+    /// KV capacity in tokens with real KV memory (caps `num_blocks`).
+    #[arg(long, default_value_t = 262_144)]
+    pub kv_capacity_tokens: u64,
+    /// libfabric provider of the in-process transfer engine.
+    #[arg(long, default_value = "tcp;ofi_rxm")]
+    pub kv_provider: String,
+    /// Transfer-engine side-channel address (default: the side-channel IP, port 0).
+    #[arg(long)]
+    pub kv_listen: Option<SocketAddr>,
+    /// READ timeout, ms.
+    #[arg(long, default_value_t = 5_000)]
+    pub kv_read_timeout_ms: u64,
+    /// Tokenizer: `words` or `pieces`.
+    #[arg(long, value_enum, default_value = "words")]
+    pub tokenizer: TokenizerKind,
 }
 
 impl Default for SimConfig {
@@ -141,6 +207,16 @@ impl Default for SimConfig {
             default_max_tokens: 16,
             kv_recompute_threshold_tokens: 0,
             no_tokenize: false,
+            profile: None,
+            time_scale: 1.0,
+            kv_mode: KvMode::None,
+            kv_bytes_per_token: 2048,
+            kv_layers: 4,
+            kv_capacity_tokens: 262_144,
+            kv_provider: "tcp;ofi_rxm".into(),
+            kv_listen: None,
+            kv_read_timeout_ms: 5_000,
+            tokenizer: TokenizerKind::Words,
         }
     }
 }
@@ -158,6 +234,46 @@ pub fn token_id(word: &str) -> u32 {
 /// Deterministic tokenizer: one token per whitespace-separated word.
 pub fn tokenize_text(text: &str) -> Vec<u32> {
     text.split_whitespace().map(token_id).collect()
+}
+
+/// Word-piece tokenizer: each whitespace-separated word is split into runs
+/// of alphanumeric characters, cut every 4 characters, and single other
+/// characters; each piece is one token (FNV-1a of its bytes mod 100 000).
+/// Words are tokenized independently, so texts joined at whitespace keep
+/// their token prefixes.
+pub fn tokenize_pieces(text: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for w in text.split_whitespace() {
+        let mut run = String::new();
+        for ch in w.chars() {
+            if ch.is_alphanumeric() {
+                run.push(ch);
+                if run.chars().count() == 4 {
+                    out.push(token_id(&run));
+                    run.clear();
+                }
+            } else {
+                if !run.is_empty() {
+                    out.push(token_id(&run));
+                    run.clear();
+                }
+                let mut b = [0u8; 4];
+                out.push(token_id(ch.encode_utf8(&mut b)));
+            }
+        }
+        if !run.is_empty() {
+            out.push(token_id(&run));
+        }
+    }
+    out
+}
+
+/// Tokens of `text` with tokenizer `kind`.
+pub fn tokenize_with(kind: TokenizerKind, text: &str) -> Vec<u32> {
+    match kind {
+        TokenizerKind::Words => tokenize_text(text),
+        TokenizerKind::Pieces => tokenize_pieces(text),
+    }
 }
 
 /// The fixed chat template: `<|role|> content ` per message, then `<|assistant|>`.
@@ -192,9 +308,17 @@ pub fn render_chat(messages: &[Value]) -> String {
 /// # Errors
 /// A message naming the missing or malformed field.
 pub fn tokenize_body(body: &Value) -> Result<Vec<u32>, String> {
+    tokenize_body_with(TokenizerKind::Words, body)
+}
+
+/// As [`tokenize_body`] with tokenizer `kind`.
+///
+/// # Errors
+/// A message naming the missing or malformed field.
+pub fn tokenize_body_with(kind: TokenizerKind, body: &Value) -> Result<Vec<u32>, String> {
     if let Some(p) = body.get("prompt") {
         return match p {
-            Value::String(s) => Ok(tokenize_text(s)),
+            Value::String(s) => Ok(tokenize_with(kind, s)),
             Value::Array(a) => a
                 .iter()
                 .map(|t| {
@@ -212,7 +336,7 @@ pub fn tokenize_body(body: &Value) -> Result<Vec<u32>, String> {
         let Some(a) = m.as_array() else {
             return Err("messages: expected an array".into());
         };
-        return Ok(tokenize_text(&render_chat(a)));
+        return Ok(tokenize_with(kind, &render_chat(a)));
     }
     Err("prompt or messages: required".into())
 }
@@ -291,6 +415,9 @@ pub enum TransferError {
     /// Side channel unreachable or broken.
     #[error("side channel: {0}")]
     SideChannel(String),
+    /// The READ itself failed (connect, bounds, timeout, backend).
+    #[error("READ failed: {0}")]
+    Transfer(String),
 }
 
 /// Boxed future returned by [`KvTransfer::read`].
@@ -374,11 +501,22 @@ struct BlockGuard {
 
 impl BlockGuard {
     /// Grow to cover `num_tokens` tokens and hold for `decoder_kv_blocks_ttl_ms`.
-    fn extend_and_hold(mut self, request_id: &str, num_tokens: u64) -> Vec<u32> {
+    /// With real KV, writes the KV of the generated tokens (`all_tokens` =
+    /// prompt then generated, positions `n_prompt..num_tokens`).
+    fn extend_and_hold(
+        mut self,
+        request_id: &str,
+        num_tokens: u64,
+        all_tokens: &[u32],
+        n_prompt: usize,
+    ) -> Vec<u32> {
         let e = self.engine.clone();
         let more = e.blocks_for(num_tokens).saturating_sub(self.ids.len());
         let mut ids = std::mem::take(&mut self.ids);
         ids.extend(e.allocate_blocks(more));
+        if let Some(kv) = &e.kv {
+            kv.write_tokens(&ids, all_tokens, n_prompt, num_tokens as usize);
+        }
         e.hold_blocks(
             request_id,
             ids.clone(),
@@ -416,7 +554,36 @@ struct Stats {
     computed_tokens: AtomicU64,
     side_reads_served: AtomicU64,
     side_reads_refused: AtomicU64,
+    verified_blocks: AtomicU64,
+    mismatched_blocks: AtomicU64,
 }
+
+/// One READ this engine performed (`GET /sim/reads`, newest last, at most
+/// [`READ_LOG_CAPACITY`] kept).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ReadLogEntry {
+    /// This engine's request id.
+    pub request_id: String,
+    /// `d2p` (a P engine reading D's retained blocks) or `p2d`.
+    pub direction: String,
+    /// Prompt tokens of the request.
+    pub prompt_tokens: u64,
+    /// Tokens the READ covered (0 when it failed).
+    pub tokens: u64,
+    /// Payload bytes (real KV) or 0 (simulated).
+    pub bytes: u64,
+    /// Claim + transfer time, ms.
+    pub transfer_ms: f64,
+    /// Blocks verified byte-exact.
+    pub verified_blocks: u64,
+    /// Blocks that differed (the request was recomputed).
+    pub mismatched_blocks: u64,
+    /// Error, when the READ failed or was declined.
+    pub error: Option<String>,
+}
+
+/// Entries kept in the READ log.
+pub const READ_LOG_CAPACITY: usize = 8192;
 
 /// Snapshot of the engine's counters (`GET /sim/stats`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -437,6 +604,15 @@ pub struct StatsSnapshot {
     pub side_reads_served: u64,
     /// READs of this engine's blocks refused (unknown, expired, expiring).
     pub side_reads_refused: u64,
+    /// READ blocks verified byte-exact (real KV only).
+    #[serde(default)]
+    pub verified_blocks: u64,
+    /// READ blocks that differed from the locally computed KV (real KV only).
+    #[serde(default)]
+    pub mismatched_blocks: u64,
+    /// KV mode (`none`, `inproc`, `agent`).
+    #[serde(default)]
+    pub kv_mode: Option<KvMode>,
     /// Requests currently holding blocks.
     pub holds: u64,
     /// Last `X-KVLoop-Tokens` header seen, if any.
@@ -458,6 +634,13 @@ pub struct Engine {
     last_tokens_header: Mutex<Option<String>>,
     last_params: Mutex<Option<Value>>,
     next_request: AtomicU64,
+    kv: Option<Arc<KvMemory>>,
+    profile: Option<CostProfile>,
+    /// Holds claimed by a reader (`defer_release`): freed by the owner
+    /// notification or when the deadline passes.
+    reading: Mutex<HashMap<String, Hold>>,
+    metrics: metrics::Metrics,
+    read_log: Mutex<std::collections::VecDeque<ReadLogEntry>>,
 }
 
 /// A running engine: its addresses and a handle to stop it.
@@ -495,8 +678,60 @@ impl Drop for SimHandle {
 /// # Errors
 /// When a listen address cannot be bound.
 pub async fn spawn(cfg: SimConfig) -> std::io::Result<SimHandle> {
-    let t = Arc::new(SimulatedTransfer::new(cfg.transfer_us_per_token));
-    spawn_with_transfer(cfg, t).await
+    match cfg.kv_mode {
+        KvMode::None => {
+            let t = Arc::new(SimulatedTransfer::new(cfg.transfer_us_per_token));
+            spawn_with_transfer(cfg, t).await
+        }
+        KvMode::Inproc => {
+            let kv = Arc::new(start_kv(&cfg).await?);
+            let dir = match cfg.role {
+                Role::Prefill => kvloop_common::Direction::DecodeToPrefill,
+                Role::Decode => kvloop_common::Direction::PrefillToDecode,
+            };
+            let t = Arc::new(DataplaneTransfer::new(
+                kv.clone(),
+                dir,
+                cfg.kv_read_timeout_ms,
+            ));
+            spawn_inner(cfg, t, Some(kv)).await
+        }
+        KvMode::Agent => Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "kv_mode: `agent` (managed mode) is not available in this build; expected `none` or `inproc`",
+        )),
+    }
+}
+
+/// The KV shape `cfg` asks for (capacity capped by `num_blocks`).
+pub fn kv_shape(cfg: &SimConfig) -> KvShape {
+    let bs = cfg.block_size_tokens.max(1);
+    let blocks = cfg
+        .kv_capacity_tokens
+        .div_ceil(u64::from(bs))
+        .min(u64::from(cfg.num_blocks))
+        .max(1) as u32;
+    KvShape {
+        bytes_per_token: cfg.kv_bytes_per_token,
+        layers: cfg.kv_layers,
+        block_size_tokens: bs,
+        num_blocks: blocks,
+    }
+}
+
+async fn start_kv(cfg: &SimConfig) -> std::io::Result<KvMemory> {
+    let listen = cfg
+        .kv_listen
+        .unwrap_or_else(|| SocketAddr::new(cfg.side_channel_addr.ip(), 0));
+    KvMemory::start(
+        &cfg.engine_id,
+        kv_shape(cfg),
+        &cfg.kv_provider,
+        listen,
+        cfg.kv_read_timeout_ms,
+    )
+    .await
+    .map_err(std::io::Error::other)
 }
 
 /// Start an engine with a custom [`KvTransfer`].
@@ -507,6 +742,39 @@ pub async fn spawn_with_transfer(
     cfg: SimConfig,
     transfer: Arc<dyn KvTransfer>,
 ) -> std::io::Result<SimHandle> {
+    spawn_inner(cfg, transfer, None).await
+}
+
+async fn spawn_inner(
+    mut cfg: SimConfig,
+    transfer: Arc<dyn KvTransfer>,
+    kv: Option<Arc<KvMemory>>,
+) -> std::io::Result<SimHandle> {
+    let profile = match &cfg.profile {
+        None => None,
+        Some(name) => Some(CostProfile::by_name(name).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "profile: unknown `{name}`; expected one of {}",
+                    profile::PROFILE_NAMES.join(", ")
+                ),
+            )
+        })?),
+    };
+    if !(cfg.time_scale.is_finite() && cfg.time_scale >= 0.0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "time_scale: expected a finite number >= 0, got {}",
+                cfg.time_scale
+            ),
+        ));
+    }
+    if let Some(kv) = &kv {
+        // The allocator hands out exactly the blocks the KV regions hold.
+        cfg.num_blocks = kv.shape().num_blocks;
+    }
     let http = TcpListener::bind(cfg.http_addr).await?;
     let side = TcpListener::bind(cfg.side_channel_addr).await?;
     let http_addr = http.local_addr()?;
@@ -529,6 +797,11 @@ pub async fn spawn_with_transfer(
         last_tokens_header: Mutex::new(None),
         last_params: Mutex::new(None),
         next_request: AtomicU64::new(0),
+        kv,
+        profile,
+        reading: Mutex::new(HashMap::new()),
+        metrics: metrics::Metrics::new(),
+        read_log: Mutex::new(std::collections::VecDeque::new()),
         cfg,
     });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -537,7 +810,9 @@ pub async fn spawn_with_transfer(
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
-        .route("/sim/stats", get(stats));
+        .route("/sim/stats", get(stats))
+        .route("/sim/reads", get(reads))
+        .route("/metrics", get(metrics_text));
     if !engine.cfg.no_tokenize {
         app = app.route("/tokenize", post(tokenize));
     }
@@ -571,6 +846,28 @@ pub async fn spawn_with_transfer(
         })
         .await;
     });
+    if let Some(kv) = &engine.kv {
+        // Owner notifications free the blocks a reader claimed.
+        let mut rx = kv.engine.subscribe_notifications();
+        let weak = Arc::downgrade(&engine);
+        tokio::spawn(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(n) => {
+                        let Some(e) = weak.upgrade() else { break };
+                        e.release_reading(&n.owner_request_id);
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(k)) => {
+                        warn!(
+                            missed = k,
+                            "owner notifications lagged; holds lapse at their deadline"
+                        );
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+    }
     let sweeper = Arc::downgrade(&engine);
     tokio::spawn(async move {
         loop {
@@ -600,6 +897,9 @@ impl Engine {
             computed_tokens: s.computed_tokens.load(Ordering::Relaxed),
             side_reads_served: s.side_reads_served.load(Ordering::Relaxed),
             side_reads_refused: s.side_reads_refused.load(Ordering::Relaxed),
+            verified_blocks: s.verified_blocks.load(Ordering::Relaxed),
+            mismatched_blocks: s.mismatched_blocks.load(Ordering::Relaxed),
+            kv_mode: Some(self.cfg.kv_mode),
             holds: self.holds.lock().unwrap().len() as u64,
             last_tokens_header: self.last_tokens_header.lock().unwrap().clone(),
             last_kv_transfer_params: self.last_params.lock().unwrap().clone(),
@@ -620,6 +920,138 @@ impl Engine {
                 alloc.release(&h.block_ids);
             }
         }
+        let mut reading = self.reading.lock().unwrap();
+        reading.retain(|_, h| {
+            if h.expires_at <= now {
+                alloc.release(&h.block_ids);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Frees the blocks of a claimed hold (owner notification received).
+    fn release_reading(&self, request_id: &str) {
+        let h = self.reading.lock().unwrap().remove(request_id);
+        if let Some(h) = h {
+            self.alloc.lock().unwrap().release(&h.block_ids);
+        }
+    }
+
+    /// Evicts the holds that expire first until `n_blocks` are free
+    /// (a full cache drops retained KV, as vLLM's prefix cache does).
+    fn evict_for(&self, n_blocks: usize) {
+        let mut holds = self.holds.lock().unwrap();
+        let mut order: Vec<(Instant, String)> = holds
+            .iter()
+            .map(|(k, h)| (h.expires_at, k.clone()))
+            .collect();
+        order.sort();
+        let mut alloc = self.alloc.lock().unwrap();
+        for (_, k) in order {
+            if alloc.free_blocks() >= n_blocks {
+                break;
+            }
+            if let Some(h) = holds.remove(&k) {
+                alloc.release(&h.block_ids);
+            }
+        }
+    }
+
+    /// Simulated compute time of `new_tokens` prompt tokens after `ctx_tokens`
+    /// cached ones (profile or `prefill_us_per_token`), scaled by `time_scale`.
+    pub fn prefill_time(&self, new_tokens: u64, ctx_tokens: u64) -> Duration {
+        let ms = match &self.profile {
+            Some(p) => p.prefill_ms(new_tokens, ctx_tokens),
+            None => (self.cfg.prefill_us_per_token * new_tokens) as f64 / 1000.0,
+        };
+        Duration::from_secs_f64((ms * self.cfg.time_scale).max(0.0) / 1000.0)
+    }
+
+    /// Tokens of a request body with this engine's tokenizer.
+    fn tokenize(&self, body: &Value) -> Result<Vec<u32>, String> {
+        tokenize_body_with(self.cfg.tokenizer, body)
+    }
+
+    fn log_read(&self, entry: ReadLogEntry) {
+        let mut log = self.read_log.lock().unwrap();
+        if log.len() >= READ_LOG_CAPACITY {
+            log.pop_front();
+        }
+        log.push_back(entry);
+    }
+
+    /// Computes the prompt: sleeps the simulated time of tokens
+    /// `reused..n` while writing their KV (real KV) and finishing the
+    /// verification of the READ blocks; when verification found a mismatch,
+    /// recomputes the reused part too. Returns the tokens finally reused.
+    async fn compute_prompt(
+        self: &Arc<Self>,
+        ids: &[u32],
+        tokens: &Arc<Vec<u32>>,
+        reused: u64,
+        verify: Option<tokio::task::JoinHandle<VerifyOutcome>>,
+    ) -> u64 {
+        let n = tokens.len() as u64;
+        let sleep = tokio::time::sleep(self.prefill_time(n - reused, reused));
+        let write = {
+            let kv = self.kv.clone();
+            let ids = ids.to_vec();
+            let tokens = tokens.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Some(kv) = kv {
+                    kv.write_tokens(&ids, &tokens, reused as usize, tokens.len());
+                }
+            })
+        };
+        let verify = async move {
+            match verify {
+                Some(h) => h.await.ok(),
+                None => None,
+            }
+        };
+        let ((), _, outcome) = tokio::join!(sleep, write, verify);
+        let mut reused = reused;
+        if let Some(o) = outcome {
+            self.stats
+                .verified_blocks
+                .fetch_add(o.verified_blocks, Ordering::Relaxed);
+            self.stats
+                .mismatched_blocks
+                .fetch_add(o.mismatched_blocks, Ordering::Relaxed);
+            self.metrics.verified_blocks.inc_by(o.verified_blocks);
+            self.metrics.mismatched_blocks.inc_by(o.mismatched_blocks);
+            if let Some(last) = self.read_log.lock().unwrap().back_mut() {
+                last.verified_blocks = o.verified_blocks;
+                last.mismatched_blocks = o.mismatched_blocks;
+            }
+            if o.mismatched_blocks > 0 {
+                warn!(engine = %self.cfg.engine_id, mismatched = o.mismatched_blocks,
+                      "READ KV differs from the locally computed KV; recomputing");
+                let sleep = tokio::time::sleep(self.prefill_time(reused, 0));
+                let kv = self.kv.clone();
+                let ids = ids.to_vec();
+                let tokens = tokens.clone();
+                let upto = reused as usize;
+                let write = tokio::task::spawn_blocking(move || {
+                    if let Some(kv) = kv {
+                        kv.write_tokens(&ids, &tokens, 0, upto);
+                    }
+                });
+                let _ = tokio::join!(sleep, write);
+                reused = 0;
+            }
+        }
+        self.stats
+            .reused_tokens
+            .fetch_add(reused, Ordering::Relaxed);
+        self.stats
+            .computed_tokens
+            .fetch_add(n - reused, Ordering::Relaxed);
+        self.metrics.reused_tokens.inc_by(reused);
+        self.metrics.computed_tokens.inc_by(n - reused);
+        reused
     }
 
     /// Blocks needed for `num_tokens` tokens (at least one).
@@ -636,6 +1068,12 @@ impl Engine {
             return ids;
         }
         self.sweep(Instant::now());
+        if let Some(ids) = self.alloc.lock().unwrap().allocate(n_blocks) {
+            return ids;
+        }
+        if self.kv.is_some() {
+            self.evict_for(n_blocks);
+        }
         self.alloc
             .lock()
             .unwrap()
@@ -677,14 +1115,45 @@ impl Engine {
         p
     }
 
-    /// Try to READ the KV the params describe; returns the tokens reused (0 on any failure).
+    /// Try to READ the KV the params describe; returns the tokens reused (0 on
+    /// any failure) and, with real KV, the pending verification of the READ blocks.
     async fn pull(
         &self,
+        request_id: &str,
         params: Option<&Value>,
-        prompt_tokens: u64,
+        tokens: &Arc<Vec<u32>>,
+        expect_from_decode: bool,
+        local_block_ids: &[u32],
+    ) -> (u64, Option<tokio::task::JoinHandle<VerifyOutcome>>) {
+        let r = self
+            .pull_inner(
+                request_id,
+                params,
+                tokens,
+                expect_from_decode,
+                local_block_ids,
+            )
+            .await;
+        if r == 0 {
+            return (0, None);
+        }
+        let verify = self.kv.clone().map(|kv| {
+            let ids = local_block_ids.to_vec();
+            let tokens = tokens.clone();
+            tokio::task::spawn_blocking(move || kv.verify_tokens(&ids, &tokens, r as usize))
+        });
+        (r, verify)
+    }
+
+    async fn pull_inner(
+        &self,
+        request_id: &str,
+        params: Option<&Value>,
+        tokens: &Arc<Vec<u32>>,
         expect_from_decode: bool,
         local_block_ids: &[u32],
     ) -> u64 {
+        let prompt_tokens = tokens.len() as u64;
         let Some(p) = params else { return 0 };
         let flag = if expect_from_decode {
             "do_remote_decode"
@@ -710,17 +1179,47 @@ impl Engine {
         }
         let n_local = self.blocks_for(req.num_tokens).min(local_block_ids.len());
         req.local_block_ids = local_block_ids[..n_local].to_vec();
-        match self.transfer.read(req).await {
+        let want_tokens = req.num_tokens;
+        let start = Instant::now();
+        let result = self.transfer.read(req).await;
+        let elapsed = start.elapsed();
+        let mut entry = ReadLogEntry {
+            request_id: request_id.to_string(),
+            direction: if expect_from_decode { "d2p" } else { "p2d" }.into(),
+            prompt_tokens,
+            tokens: 0,
+            bytes: 0,
+            transfer_ms: elapsed.as_secs_f64() * 1e3,
+            verified_blocks: 0,
+            mismatched_blocks: 0,
+            error: None,
+        };
+        let out = match result {
             Ok(n) => {
                 self.stats.reads_ok.fetch_add(1, Ordering::Relaxed);
+                let bytes = self
+                    .kv
+                    .as_ref()
+                    .map(|kv| self.blocks_for(want_tokens) as u64 * kv.bytes_per_block())
+                    .unwrap_or(0);
+                self.metrics
+                    .xfer_time_seconds
+                    .observe(elapsed.as_secs_f64());
+                self.metrics.xfer_bytes.observe(bytes as f64);
+                entry.tokens = n;
+                entry.bytes = bytes;
                 n
             }
             Err(e) => {
                 warn!(engine = %self.cfg.engine_id, error = %e, "READ declined; recomputing locally");
                 self.stats.reads_declined.fetch_add(1, Ordering::Relaxed);
+                self.metrics.failed_transfers.inc();
+                entry.error = Some(e.to_string());
                 0
             }
-        }
+        };
+        self.log_read(entry);
+        out
     }
 
     fn read_request(
@@ -796,6 +1295,11 @@ impl Engine {
         })
     }
 
+    /// Decode time of `n` output tokens, µs, scaled by `time_scale`.
+    fn decode_us(&self, n: u64) -> u64 {
+        ((self.cfg.decode_us_per_token * n) as f64 * self.cfg.time_scale) as u64
+    }
+
     fn new_request_id(&self) -> String {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         format!("{}-req-{n}", self.cfg.engine_id)
@@ -856,11 +1360,13 @@ async fn generate(
             );
         }
     };
-    let tokens = match tokenize_body(&body) {
-        Ok(t) => t,
+    let arrived = Instant::now();
+    let tokens = match e.tokenize(&body) {
+        Ok(t) => Arc::new(t),
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let n_prompt = tokens.len() as u64;
+    e.metrics.prompt_tokens.inc_by(n_prompt);
     let params = body.get("kv_transfer_params").filter(|v| !v.is_null());
     *e.last_params.lock().unwrap() = params.cloned();
     let request_id = e.new_request_id();
@@ -879,13 +1385,13 @@ async fn generate(
                 );
             }
             let ids = e.allocate_blocks(e.blocks_for(n_prompt));
-            let reused = e.pull(params, n_prompt, true, &ids).await;
+            let (reused, verify) = e.pull(&request_id, params, &tokens, true, &ids).await;
+            let reused = e.compute_prompt(&ids, &tokens, reused, verify).await;
             let computed = n_prompt - reused;
-            e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-            e.stats
-                .computed_tokens
-                .fetch_add(computed, Ordering::Relaxed);
-            sleep_us(e.cfg.prefill_us_per_token * computed).await;
+            e.metrics
+                .ttft_seconds
+                .observe(arrived.elapsed().as_secs_f64());
+            e.metrics.generation_tokens.inc();
             e.hold_blocks(
                 &request_id,
                 ids.clone(),
@@ -926,13 +1432,13 @@ async fn generate(
                 ids: e.allocate_blocks(e.blocks_for(n_prompt)),
                 engine: e.clone(),
             };
-            let reused = e.pull(params, n_prompt, false, &blocks.ids).await;
-            let computed = n_prompt - reused;
-            e.stats.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-            e.stats
-                .computed_tokens
-                .fetch_add(computed, Ordering::Relaxed);
-            sleep_us(e.cfg.prefill_us_per_token * computed).await;
+            let (reused, verify) = e
+                .pull(&request_id, params, &tokens, false, &blocks.ids)
+                .await;
+            e.compute_prompt(&blocks.ids, &tokens, reused, verify).await;
+            e.metrics
+                .ttft_seconds
+                .observe(arrived.elapsed().as_secs_f64());
             let max_tokens = body
                 .get("max_tokens")
                 .or_else(|| body.get("max_completion_tokens"))
@@ -951,7 +1457,7 @@ async fn generate(
                     e,
                     api,
                     request_id,
-                    n_prompt,
+                    tokens,
                     max_tokens,
                     finish,
                     blocks,
@@ -962,7 +1468,7 @@ async fn generate(
                     e,
                     api,
                     request_id,
-                    n_prompt,
+                    tokens,
                     max_tokens,
                     finish,
                     blocks,
@@ -982,28 +1488,44 @@ struct DecodeJob {
     e: Arc<Engine>,
     api: Api,
     request_id: String,
-    n_prompt: u64,
+    tokens: Arc<Vec<u32>>,
     max_tokens: u64,
     finish: String,
     blocks: BlockGuard,
 }
 
+impl DecodeJob {
+    /// Prompt tokens then the tokens of the generated words; the tokens held
+    /// after a normal finish (all but the last generated one).
+    fn held_tokens(&self) -> (Vec<u32>, u64) {
+        let mut all = self.tokens.to_vec();
+        all.extend(tokenize_with(
+            self.e.cfg.tokenizer,
+            &words(self.max_tokens).join(" "),
+        ));
+        let held = (all.len() as u64 - 1).max(self.tokens.len() as u64);
+        (all, held)
+    }
+}
+
 async fn decode_full(job: DecodeJob, body: &Value) -> Response {
+    let (all_tokens, held) = job.held_tokens();
     let DecodeJob {
         e,
         api,
         request_id,
-        n_prompt,
+        tokens,
         max_tokens,
         finish,
         blocks,
     } = job;
-    sleep_us(e.cfg.decode_us_per_token * max_tokens).await;
+    let n_prompt = tokens.len() as u64;
+    e.metrics.generation_tokens.inc_by(max_tokens);
+    sleep_us(e.decode_us(max_tokens)).await;
     let text = words(max_tokens).join(" ");
     let normal = finish == "stop" || finish == "length";
     let kv = if normal {
-        let held = n_prompt + max_tokens - 1;
-        let ids = blocks.extend_and_hold(&request_id, held);
+        let ids = blocks.extend_and_hold(&request_id, held, &all_tokens, n_prompt as usize);
         e.params(&request_id, ids, held)
     } else {
         Value::Null
@@ -1038,15 +1560,18 @@ async fn decode_full(job: DecodeJob, body: &Value) -> Response {
 }
 
 fn decode_stream(job: DecodeJob, body: Value) -> Response {
+    let (all_tokens, held) = job.held_tokens();
     let DecodeJob {
         e,
         api,
         request_id,
-        n_prompt,
+        tokens,
         max_tokens,
         finish,
         blocks,
     } = job;
+    let n_prompt = tokens.len();
+    e.metrics.generation_tokens.inc_by(max_tokens);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, Infallible>>(16);
     tokio::spawn(async move {
         let object = if api == Api::Chat {
@@ -1091,7 +1616,7 @@ fn decode_stream(job: DecodeJob, body: Value) -> Response {
         }
         for (i, w) in words(max_tokens).into_iter().enumerate() {
             if e.cfg.decode_us_per_token > 0 {
-                tokio::time::sleep(Duration::from_micros(e.cfg.decode_us_per_token)).await;
+                tokio::time::sleep(Duration::from_micros(e.decode_us(1))).await;
             }
             let piece = if i == 0 && api == Api::Chat {
                 w
@@ -1120,8 +1645,7 @@ fn decode_stream(job: DecodeJob, body: Value) -> Response {
             return;
         }
         if finish == "stop" || finish == "length" {
-            let held = n_prompt + max_tokens - 1;
-            let ids = blocks.extend_and_hold(&request_id, held);
+            let ids = blocks.extend_and_hold(&request_id, held, &all_tokens, n_prompt);
             let kv = e.params(&request_id, ids, held);
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
             if tx
@@ -1150,7 +1674,7 @@ async fn models(State(e): State<Arc<Engine>>) -> Response {
         .into_response()
 }
 
-async fn tokenize(body: axum::body::Bytes) -> Response {
+async fn tokenize(State(e): State<Arc<Engine>>, body: axum::body::Bytes) -> Response {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(err) => {
@@ -1160,7 +1684,7 @@ async fn tokenize(body: axum::body::Bytes) -> Response {
             );
         }
     };
-    match tokenize_body(&body) {
+    match e.tokenize(&body) {
         Ok(t) => {
             Json(json!({"count": t.len(), "max_model_len": 131072, "tokens": t})).into_response()
         }
@@ -1172,11 +1696,31 @@ async fn stats(State(e): State<Arc<Engine>>) -> Response {
     Json(e.stats()).into_response()
 }
 
+async fn reads(State(e): State<Arc<Engine>>) -> Response {
+    let log: Vec<ReadLogEntry> = e.read_log.lock().unwrap().iter().cloned().collect();
+    Json(log).into_response()
+}
+
+async fn metrics_text(State(e): State<Arc<Engine>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        e.metrics.render(),
+    )
+        .into_response()
+}
+
 #[derive(Deserialize)]
 struct SideRead {
     remote_request_id: String,
     block_ids: Vec<u32>,
     num_tokens: u64,
+    /// Real KV: keep the blocks until the reader's owner notification (or
+    /// the read deadline) and answer with the transfer engine's address.
+    #[serde(default)]
+    defer_release: bool,
 }
 
 /// Side channel: a reader's READ of this engine's held blocks. Serves it when
@@ -1207,6 +1751,29 @@ async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRead>) -> Res
             "request {}: block ids or token count do not match the hold",
             r.remote_request_id
         ));
+    }
+    if r.defer_release {
+        let Some(kv) = &e.kv else {
+            return refuse(format!(
+                "request {}: this engine has no KV memory (kv_mode none); defer_release needs inproc",
+                r.remote_request_id
+            ));
+        };
+        let mut h = holds.remove(&r.remote_request_id).expect("checked above");
+        drop(holds);
+        // Freed by the owner notification; the deadline covers a reader that died.
+        h.expires_at =
+            now + Duration::from_millis(e.cfg.kv_read_timeout_ms + e.cfg.expiry_margin_ms);
+        e.reading
+            .lock()
+            .unwrap()
+            .insert(r.remote_request_id.clone(), h);
+        e.stats.side_reads_served.fetch_add(1, Ordering::Relaxed);
+        return Json(json!({
+            "dataplane_addr": kv.dataplane_addr().to_string(),
+            "engine_id": e.cfg.engine_id,
+        }))
+        .into_response();
     }
     let h = holds.remove(&r.remote_request_id).expect("checked above");
     drop(holds);
