@@ -69,6 +69,13 @@ static PREFILL_HIST: PerCpuHashMap<PrefillHistKey, LatencyHist> =
 #[map]
 static PREFILL_PORTS: HashMap<u16, u8> = HashMap::with_max_entries(MAX_PREFILL_PORTS, 0);
 
+/// Processes serving a prefill port (tgid → 1). The read/recvfrom syscall
+/// hooks, which fire for every process on the node, return at once for
+/// other processes. Filled by the loader (listeners found in /proc) and by
+/// `prefill_recv` when it sees a server it did not know.
+#[map]
+static SERVER_TGIDS: HashMap<u32, u8> = HashMap::with_max_entries(1024, 0);
+
 /// In-flight prefill requests, keyed by `struct sock *`.
 #[map]
 static PREFILL_INFLIGHT: LruHashMap<u64, PrefillInflight> = LruHashMap::with_max_entries(16384, 0);
@@ -532,6 +539,12 @@ fn try_prefill_recv(ctx: &TracePointContext) -> Option<()> {
     let port: u16 =
         unsafe { bpf_probe_read_kernel((sk + cfg.skc_num_off as u64) as *const u16) }.ok()?;
     PREFILL_PORTS.get_ptr(port)?;
+    let me = tgid();
+    if SERVER_TGIDS.get_ptr(me).is_none() {
+        // first request seen from this server process: its head bytes are
+        // captured from the next request on (the syscall entry is past)
+        let _ = SERVER_TGIDS.insert(me, 1u8, 0);
+    }
     if PREFILL_INFLIGHT.get_ptr(sk).is_some() {
         return None; // continuation of a request already being timed
     }
@@ -613,7 +626,7 @@ fn try_prefill_send(ctx: &TracePointContext) -> Option<()> {
 #[inline(always)]
 fn enter_recv(ctx: &TracePointContext, buf_off: u32) {
     let Some(cfg) = config() else { return };
-    if cfg.enabled & enable::PREFILL == 0 {
+    if cfg.enabled & enable::PREFILL == 0 || SERVER_TGIDS.get_ptr(tgid()).is_none() {
         return;
     }
     if let Some(buf) = tp_u64(ctx, buf_off) {
@@ -628,6 +641,9 @@ fn exit_recv(ctx: &TracePointContext) {
         return;
     }
     let id = bpf_get_current_pid_tgid();
+    if SERVER_TGIDS.get_ptr((id >> 32) as u32).is_none() {
+        return;
+    }
     let Some(sk) = CAPTURE.get_ptr(id) else {
         let _ = RECV_BUF.remove(id);
         return;

@@ -31,6 +31,7 @@ pub mod attribution;
 pub mod btf;
 mod loader;
 mod metrics;
+pub mod procfs;
 mod state;
 pub mod trace;
 pub mod tracefs;

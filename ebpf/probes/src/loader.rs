@@ -150,6 +150,7 @@ struct Kernel {
     retransmits: PerCpuHashMap<MapData, RetransmitKey, u64>,
     counters: PerCpuArray<MapData, u64>,
     prefill_ports: AyaHashMap<MapData, u16, u8>,
+    server_tgids: AyaHashMap<MapData, u32, u8>,
     links: Vec<Link>,
     /// Human-readable attach points, for diagnostics.
     attached: Vec<String>,
@@ -328,6 +329,8 @@ impl Probes {
             .map_err(|e| map_err("PREFILL_PORTS", e))?;
         let ring =
             RingBuf::try_from(take(&mut ebpf, "EVENTS")?).map_err(|e| map_err("EVENTS", e))?;
+        let server_tgids = AyaHashMap::try_from(take(&mut ebpf, "SERVER_TGIDS")?)
+            .map_err(|e| map_err("SERVER_TGIDS", e))?;
         let kv_start: AyaHashMap<MapData, PendingKey, u64> =
             AyaHashMap::try_from(take(&mut ebpf, "KV_START")?)
                 .map_err(|e| map_err("KV_START", e))?;
@@ -361,6 +364,7 @@ impl Probes {
                 retransmits,
                 counters,
                 prefill_ports,
+                server_tgids,
                 links,
                 attached,
                 enabled: kcfg.enabled,
@@ -592,6 +596,12 @@ impl Probes {
 
     /// Times requests on server port `port` as prefill requests (first
     /// request bytes → first response bytes per socket). At most 16 ports.
+    ///
+    /// The processes listening on `port` now (found in `/proc`) get their
+    /// request heads captured from the first request on; a server started
+    /// later is learnt by the kernel at its first request, whose head is
+    /// then missed (that sample is `Unattributed::NoBytes`), or can be named
+    /// with [`Self::prefill_server_pid`].
     pub fn prefill_port(&self, port: u16) -> Result<(), ProbeError> {
         if port == 0 {
             return Err(ProbeError::Invalid {
@@ -599,10 +609,25 @@ impl Probes {
                 message: "expected a TCP port in 1..=65535".into(),
             });
         }
+        {
+            let mut k = self.kernel()?;
+            k.prefill_ports
+                .insert(port, 1, 0)
+                .map_err(|e| map_err("PREFILL_PORTS", e))?;
+        }
+        for pid in crate::procfs::listening_pids(port) {
+            self.prefill_server_pid(pid)?;
+        }
+        Ok(())
+    }
+
+    /// Declares `pid` a prefill server: the read/recvfrom hooks (which return
+    /// at once for other processes) capture its request heads.
+    pub fn prefill_server_pid(&self, pid: u32) -> Result<(), ProbeError> {
         let mut k = self.kernel()?;
-        k.prefill_ports
-            .insert(port, 1, 0)
-            .map_err(|e| map_err("PREFILL_PORTS", e))
+        k.server_tgids
+            .insert(pid, 1, 0)
+            .map_err(|e| map_err("SERVER_TGIDS", e))
     }
 
     /// Stops timing `port`.

@@ -599,3 +599,84 @@ fn dataplane_nixl_reads_seen_at_library_and_sites() {
         );
     }
 }
+
+/// A network namespace with one end of a veth pair; removed on drop.
+struct Netns {
+    name: String,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.name]);
+    }
+}
+
+/// SYNs to an address behind a veth whose other end (in a namespace this
+/// test creates) has no such address: nothing answers, TCP retransmits the
+/// SYN after its 1 s initial RTO, and the probe counts it for that peer.
+#[test]
+fn tcp_retransmits_counted_per_peer() {
+    let Some(p) = load(ProbeConfig::default()) else {
+        return;
+    };
+    let id = std::process::id() % 100_000;
+    let ns = Netns {
+        name: format!("kvloop-rt-{id}"),
+    };
+    let (host_if, ns_if) = (format!("kvrh{id}"), format!("kvrn{id}"));
+    let net = 100 + (id % 150);
+    let setup = || -> Result<(), String> {
+        ip(&["netns", "add", &ns.name])?;
+        ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if,
+        ])?;
+        ip(&["link", "set", &ns_if, "netns", &ns.name])?;
+        ip(&["addr", "add", &format!("10.78.{net}.1/24"), "dev", &host_if])?;
+        ip(&["link", "set", &host_if, "up"])?;
+        ip(&["-n", &ns.name, "link", "set", &ns_if, "up"])?;
+        Ok(())
+    };
+    if let Err(e) = setup() {
+        if ci() {
+            panic!("CI=true and the network namespace could not be set up: {e}");
+        }
+        eprintln!("SKIP: network namespace setup failed: {e}");
+        return;
+    }
+    let peer: std::net::SocketAddr = format!("10.78.{net}.2:5555").parse().unwrap();
+    let mut trace = p.trace(TraceFilter {
+        peer: Some(peer.to_string()),
+        ..Default::default()
+    });
+    // bounded: one connect attempt of 2.5 s (SYN at 0 s, retransmit at ~1 s, ~3 s)
+    let r = TcpStream::connect_timeout(&peer, Duration::from_millis(2500));
+    assert!(r.is_err(), "nothing should answer at {peer}");
+    let ev = trace.next_timeout(Duration::from_secs(2));
+    assert!(
+        matches!(ev, Some(Event::Retransmit { peer: a, .. }) if a == peer),
+        "no retransmit event for {peer}: {ev:?}"
+    );
+    let snap = p.snapshot();
+    let c = snap
+        .retransmits
+        .iter()
+        .find(|r| r.peer == peer)
+        .expect("retransmit counter for the peer");
+    assert!(c.count >= 1, "{c:?}");
+}
