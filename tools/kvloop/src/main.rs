@@ -1,5 +1,6 @@
 //! `kvloop`: operator and debugging CLI.
 mod bench;
+mod demo;
 mod demo_dataplane;
 mod multiturn;
 mod node;
@@ -23,13 +24,25 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
-    /// Demos (real local runs).
+    /// Demos (real local runs); without a subcommand: `loop`.
+    Demo(DemoCli),
+}
+
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct DemoCli {
     #[command(subcommand)]
-    Demo(DemoCmd),
+    cmd: Option<DemoCmd>,
+    #[command(flatten)]
+    args: demo::DemoArgs,
 }
 
 #[derive(Subcommand)]
 enum DemoCmd {
+    /// The main demo: router, P and D engines with real KV, TTFT table OFF / fixed / adaptive.
+    Loop(demo::DemoArgs),
+    /// The main demo with the link slowed (tc tbf) mid-run.
+    SlowLink(demo::DemoArgs),
     /// D→P and P→D READs between two local nodes, verified.
     Dataplane(demo_dataplane::DemoDataplaneArgs),
 }
@@ -63,9 +76,18 @@ fn main() -> anyhow::Result<()> {
             Cmd::Node(a) => node::run(a).await,
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
             Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(a).await,
-            Cmd::Demo(DemoCmd::Dataplane(a)) => {
-                tokio::task::spawn_blocking(move || demo_dataplane::run(a)).await?
-            }
+            Cmd::Demo(DemoCli { cmd, args }) => match cmd {
+                Some(DemoCmd::Dataplane(a)) => {
+                    tokio::task::spawn_blocking(move || demo_dataplane::run(a)).await?
+                }
+                Some(DemoCmd::SlowLink(a)) => {
+                    tokio::task::spawn_blocking(move || demo::run(a, true)).await?
+                }
+                Some(DemoCmd::Loop(a)) => {
+                    tokio::task::spawn_blocking(move || demo::run(a, false)).await?
+                }
+                None => tokio::task::spawn_blocking(move || demo::run(args, false)).await?,
+            },
         }
     })
 }
