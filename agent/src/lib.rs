@@ -1,1 +1,30 @@
-//! Per-node kvloop agent
+//! kvloop's per-node agent (`kvloop-agent`).
+//!
+//! * [`agent`]: shared state; hosted engines (managed mode), leases, events.
+//! * [`proto`] / [`server`] / [`client`]: the local API on a Unix socket
+//!   (length-prefixed JSON, memfds by `SCM_RIGHTS`, `SO_PEERCRED` check) and
+//!   its client library for engines ([`client::AgentClient`]).
+//! * [`lease`]: pure lease table (TTL, reader renewals, safety margin).
+//! * [`tasks`]: peer discovery, active probes, cost model updates,
+//!   threshold pushes, eBPF sample drain.
+//! * [`netstate`]: rtnetlink link state, sysfs speed, RDMA counters,
+//!   path invalidation.
+//! * [`http`]: `/metrics`, `/healthz`, agent-to-agent `/v1/` API.
+//! * [`check`]: `kvloop-agent --check` readiness report.
+#![deny(missing_docs)]
+pub mod agent;
+pub mod check;
+pub mod client;
+pub mod config;
+pub mod cuda;
+pub mod http;
+pub mod lease;
+pub mod metrics;
+pub mod netstate;
+pub mod proto;
+pub mod server;
+pub mod tasks;
+
+pub use agent::Agent;
+pub use client::AgentClient;
+pub use config::AgentConfig;

@@ -1,0 +1,395 @@
+//! The agent's configuration: TOML file, then `KVLOOP_AGENT_*` environment
+//! variables and command-line flags (see `main.rs`) override single fields.
+//! Every field has a default, given in its docstring.
+//!
+//! ```toml
+//! agent_id = "node-a"
+//! node_addr = "10.0.0.1"
+//! http_listen = "10.0.0.1:9470"
+//! socket_path = "/run/kvloop/agent.sock"
+//! backend = { kind = "libfabric", provider = "tcp;ofi_rxm" }
+//! push_period_ms = 1000
+//!
+//! [[peers]]
+//! name = "node-b"
+//! http = "10.0.0.2:9470"
+//!
+//! [[routers]]
+//! url = "http://10.0.0.9:8000"
+//! token = "s3cret"
+//!
+//! [[pairs]]
+//! prefill_engine_id = "p0"
+//! decode_engine_id = "d0"
+//! decode_peer = "node-b"
+//! bytes_per_token = 262144
+//! ```
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use kvloop_costmodel::CostModelConfig;
+use kvloop_dataplane::BackendConfig;
+use kvloop_dataplane::fabric::FabricConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::lease::LeaseConfig;
+
+/// Agent configuration (TOML). Defaults in brackets.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Identity of this agent (node name) in threshold pushes and peer
+    /// tables [the host name].
+    pub agent_id: String,
+    /// Address of this node on the KV network: side channels of hosted
+    /// engines and of the probe engine bind to it [`127.0.0.1`].
+    pub node_addr: IpAddr,
+    /// HTTP listen address: `/metrics`, `/healthz`, and the versioned
+    /// agent-to-agent API under `/v1/` [`127.0.0.1:9470`].
+    pub http_listen: SocketAddr,
+    /// Unix socket of the local API (mode 0600; only the same uid or root
+    /// may talk to it) [`/run/kvloop/agent.sock`].
+    pub socket_path: PathBuf,
+    /// Transfer backend of every engine the agent runs
+    /// [`{ kind = "libfabric", provider = "tcp;ofi_rxm" }`].
+    pub backend: BackendConfig,
+    /// READ timeout when a request gives none, ms [5000].
+    pub read_timeout_ms: u64,
+    /// Threshold push period, ms [1000].
+    pub push_period_ms: u64,
+    /// `valid_for_ms` of pushed thresholds, as a multiple of the push period;
+    /// must be below 3 [2.5].
+    pub valid_for_periods: f64,
+    /// First retry delay of a failed push, ms; doubles per attempt [100].
+    pub push_retry_initial_ms: u64,
+    /// Attempts per push and router (the next period pushes fresh values) [3].
+    pub push_attempts: u32,
+    /// Timeout of one push request, ms [1000].
+    pub push_timeout_ms: u64,
+    /// Fail `--check` and refuse to start when eBPF probes cannot load
+    /// [false: fall back to user-space timing].
+    pub require_ebpf: bool,
+    /// Lease policy of retained blocks.
+    pub lease: LeaseConfig,
+    /// Active probes.
+    pub probe: ProbeConfig,
+    /// Network state watch.
+    pub network: NetworkConfig,
+    /// Peer agents [none].
+    pub peers: Vec<PeerConfig>,
+    /// Routers to push thresholds to [none].
+    pub routers: Vec<RouterTarget>,
+    /// (P, D) pairs whose thresholds this agent computes [none].
+    pub pairs: Vec<PairConfig>,
+    /// The cost model (see `kvloop-costmodel`'s `CostModelConfig`).
+    pub cost_model: CostModelConfig,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            agent_id: hostname(),
+            node_addr: IpAddr::from([127, 0, 0, 1]),
+            http_listen: "127.0.0.1:9470".parse().expect("valid"),
+            socket_path: "/run/kvloop/agent.sock".into(),
+            backend: BackendConfig::Libfabric(default_fabric()),
+            read_timeout_ms: 5000,
+            push_period_ms: 1000,
+            valid_for_periods: 2.5,
+            push_retry_initial_ms: 100,
+            push_attempts: 3,
+            push_timeout_ms: 1000,
+            require_ebpf: false,
+            lease: LeaseConfig::default(),
+            probe: ProbeConfig::default(),
+            network: NetworkConfig::default(),
+            peers: Vec::new(),
+            routers: Vec::new(),
+            pairs: Vec::new(),
+            cost_model: CostModelConfig::default(),
+        }
+    }
+}
+
+fn default_fabric() -> FabricConfig {
+    serde_json::from_str(r#"{"provider":"tcp;ofi_rxm"}"#).expect("valid fabric config")
+}
+
+/// Active probe READs between agents.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProbeConfig {
+    /// Run active probes [true].
+    pub enabled: bool,
+    /// Side-channel port of the probe engine (0 = any) [0].
+    pub side_channel_port: u16,
+    /// Regions of the probe engine's layout (descriptors per block) [2].
+    pub num_regions: u32,
+    /// Blocks per region [64].
+    pub num_blocks: u32,
+    /// Bytes of one block in one region [65536].
+    pub block_len_bytes: u64,
+    /// Tokens per block (vLLM's `block_size`) [16].
+    pub block_size_tokens: u32,
+    /// Blocks in a small probe READ [1].
+    pub small_blocks: u32,
+    /// Blocks in a large probe READ (a long conversation turn) [32].
+    pub large_blocks: u32,
+    /// Period between probe rounds (one small and one large READ per peer), ms [250].
+    pub period_ms: u64,
+    /// Rate limit of probe traffic per peer, bytes/s; a round is skipped
+    /// while the budget is exhausted [67108864 (64 MiB/s)].
+    pub max_bytes_per_s: u64,
+    /// Alarm when a path's fitted bandwidth is below this share of what its
+    /// provider should give [0.1].
+    pub alarm_ratio: f64,
+    /// Bandwidth the provider should give, bytes/s; 0 = from the provider
+    /// (efa 12.5e9, tcp 1.25e8 × link Gbit/s from sysfs or 1.25e9, shm 5e9,
+    /// NIXL UCX 1.25e9) [0].
+    pub expected_bandwidth_bytes_per_s: f64,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            side_channel_port: 0,
+            num_regions: 2,
+            num_blocks: 64,
+            block_len_bytes: 65536,
+            block_size_tokens: 16,
+            small_blocks: 1,
+            large_blocks: 32,
+            period_ms: 250,
+            max_bytes_per_s: 64 << 20,
+            alarm_ratio: 0.1,
+            expected_bandwidth_bytes_per_s: 0.0,
+        }
+    }
+}
+
+/// Network state watch.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Watch links with rtnetlink [true].
+    pub enabled: bool,
+    /// Full link dump period (events arrive at once in between), ms [1000].
+    pub poll_ms: u64,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            poll_ms: 1000,
+        }
+    }
+}
+
+/// A peer agent.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Its `agent_id`; the cost model's peer id (`pairs[].decode_peer`).
+    pub name: String,
+    /// Its HTTP address (`http_listen`).
+    pub http: SocketAddr,
+    /// Local network interface the path to it uses; when it goes down the
+    /// path is invalidated at once [none: found from the routing table by
+    /// the peer's address].
+    #[serde(default)]
+    pub interface: Option<String>,
+}
+
+/// A router to push thresholds to.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterTarget {
+    /// Base URL, e.g. `http://10.0.0.9:8000`.
+    pub url: String,
+    /// Bearer token (the router's `admin_token`).
+    pub token: String,
+}
+
+/// A (P, D) pair whose threshold this agent computes (its prefill engine
+/// lives on this node).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairConfig {
+    /// Prefill engine id.
+    pub prefill_engine_id: String,
+    /// Decode engine id.
+    pub decode_engine_id: String,
+    /// Peer agent hosting the decode engine (`peers[].name`).
+    pub decode_peer: String,
+    /// KV bytes per token on the READ path (Qwen3-32B bf16: 262144).
+    pub bytes_per_token: u64,
+    /// Tokens per block [16].
+    #[serde(default = "default_block_tokens")]
+    pub block_size_tokens: u64,
+    /// Descriptors (regions) per block [1].
+    #[serde(default = "one")]
+    pub regions_per_block: u64,
+}
+
+fn default_block_tokens() -> u64 {
+    16
+}
+fn one() -> u64 {
+    1
+}
+
+/// A bad config value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// TOML syntax or unknown/mistyped field (the message names it).
+    #[error("agent config: {0}")]
+    Toml(#[from] toml::de::Error),
+    /// A field has an invalid value.
+    #[error("agent config: `{field}`: expected {expected}")]
+    Invalid {
+        /// The field.
+        field: String,
+        /// What was expected.
+        expected: String,
+    },
+    /// The cost model section.
+    #[error("agent config: {0}")]
+    CostModel(#[from] kvloop_costmodel::ConfigError),
+}
+
+fn invalid(field: impl Into<String>, expected: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        expected: expected.into(),
+    }
+}
+
+impl AgentConfig {
+    /// Parses and validates TOML text.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field.
+    pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
+        let c: Self = toml::from_str(s)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// `valid_for_ms` of pushed thresholds.
+    pub fn valid_for_ms(&self) -> u64 {
+        (self.push_period_ms as f64 * self.valid_for_periods) as u64
+    }
+
+    /// Checks cross-field rules.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.agent_id.is_empty() {
+            return Err(invalid("agent_id", "a non-empty node name"));
+        }
+        if self.push_period_ms == 0 {
+            return Err(invalid("push_period_ms", "a period > 0 ms"));
+        }
+        if !(self.valid_for_periods > 0.0 && self.valid_for_periods < 3.0) {
+            return Err(invalid(
+                "valid_for_periods",
+                "a factor in (0, 3): valid_for_ms must stay below 3 × push_period_ms",
+            ));
+        }
+        if self.push_attempts == 0 {
+            return Err(invalid("push_attempts", "at least 1"));
+        }
+        let p = &self.probe;
+        if p.num_regions == 0 || p.num_blocks == 0 || p.block_len_bytes == 0 {
+            return Err(invalid(
+                "probe.num_regions/num_blocks/block_len_bytes",
+                "values > 0",
+            ));
+        }
+        if p.small_blocks == 0 || p.large_blocks == 0 || p.large_blocks > p.num_blocks {
+            return Err(invalid(
+                "probe.small_blocks/large_blocks",
+                format!("1..={} blocks (probe.num_blocks)", p.num_blocks),
+            ));
+        }
+        if p.period_ms == 0 {
+            return Err(invalid("probe.period_ms", "a period > 0 ms"));
+        }
+        for (i, r) in self.routers.iter().enumerate() {
+            if !(r.url.starts_with("http://") || r.url.starts_with("https://")) {
+                return Err(invalid(
+                    format!("routers[{i}].url"),
+                    "an http:// or https:// URL",
+                ));
+            }
+        }
+        for (i, pair) in self.pairs.iter().enumerate() {
+            if pair.bytes_per_token == 0 || pair.block_size_tokens == 0 || pair.regions_per_block == 0
+            {
+                return Err(invalid(
+                    format!("pairs[{i}].bytes_per_token/block_size_tokens/regions_per_block"),
+                    "values > 0",
+                ));
+            }
+            if !self.peers.iter().any(|p| p.name == pair.decode_peer) {
+                return Err(invalid(
+                    format!("pairs[{i}].decode_peer"),
+                    format!("one of peers[].name, got `{}`", pair.decode_peer),
+                ));
+            }
+        }
+        self.cost_model.validate()?;
+        Ok(())
+    }
+}
+
+/// The host name, or `"kvloop-agent"`.
+pub fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "kvloop-agent".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_and_unknown_fields_are_named() {
+        let c = AgentConfig::from_toml("agent_id = \"a\"").unwrap();
+        assert_eq!(c.push_period_ms, 1000);
+        assert!(c.valid_for_ms() < 3 * c.push_period_ms);
+        let e = AgentConfig::from_toml("push_perod_ms = 5").unwrap_err();
+        assert!(e.to_string().contains("push_perod_ms"), "{e}");
+        let e = AgentConfig::from_toml("valid_for_periods = 3.0").unwrap_err();
+        assert!(e.to_string().contains("valid_for_periods"), "{e}");
+    }
+
+    #[test]
+    fn pair_must_name_a_peer() {
+        let t = r#"
+            [[pairs]]
+            prefill_engine_id = "p0"
+            decode_engine_id = "d0"
+            decode_peer = "nobody"
+            bytes_per_token = 1024
+        "#;
+        let e = AgentConfig::from_toml(t).unwrap_err();
+        assert!(e.to_string().contains("pairs[0].decode_peer"), "{e}");
+    }
+
+    #[test]
+    fn backend_is_the_dataplane_form() {
+        let c = AgentConfig::from_toml("backend = { kind = \"libfabric\", provider = \"shm\" }")
+            .unwrap();
+        match c.backend {
+            BackendConfig::Libfabric(f) => assert_eq!(f.provider, "shm"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

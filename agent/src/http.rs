@@ -1,0 +1,144 @@
+//! The agent's HTTP server: `/metrics`, `/healthz`, and the versioned
+//! agent-to-agent API (`/v1/...`): peers discover each other's engines and
+//! probe engine, renew leases of retained blocks, and `kvloop explain`
+//! reads explanations.
+//!
+//! | route | answer |
+//! |---|---|
+//! | `GET /healthz` | `200 ok` |
+//! | `GET /metrics` | OpenMetrics text |
+//! | `GET /v1/engines` | [`EnginesInfo`] |
+//! | `POST /v1/leases/renew` | body [`RenewRequest`] → `LeaseInfo`, or `404`/`409` with an `ApiError` |
+//! | `GET /v1/explain?pair=P,D` | `{"text": ..., "explain": ...}` |
+//! | `GET /v1/status` | status JSON |
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+
+use crate::agent::{Agent, EnginesInfo};
+use crate::proto::ApiError;
+
+/// Version of the agent-to-agent API; requests carrying another are refused.
+pub const API_VERSION: u32 = 1;
+
+/// Body of `POST /v1/leases/renew`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    /// [`API_VERSION`] of the caller.
+    pub version: u32,
+    /// Owner engine id (hosted by the answering agent).
+    pub engine_id: String,
+    /// Owner request id.
+    pub request_id: String,
+    /// Requested lease, ms.
+    pub lease_ms: u64,
+}
+
+struct HttpState {
+    agent: Arc<Agent>,
+    registry: Registry,
+}
+
+/// The router of the HTTP server; `registry` holds every metric.
+pub fn router(agent: Arc<Agent>, registry: Registry) -> axum::Router {
+    let st = Arc::new(HttpState { agent, registry });
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .route("/v1/engines", get(engines))
+        .route("/v1/leases/renew", post(renew))
+        .route("/v1/explain", get(explain))
+        .route("/v1/status", get(status))
+        .with_state(st)
+}
+
+async fn metrics(State(s): State<Arc<HttpState>>) -> Response {
+    let mut out = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &s.registry) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}
+
+async fn engines(State(s): State<Arc<HttpState>>) -> Json<EnginesInfo> {
+    Json(s.agent.engines_info())
+}
+
+async fn status(State(s): State<Arc<HttpState>>) -> Json<serde_json::Value> {
+    Json(s.agent.status())
+}
+
+fn err(code: StatusCode, e: ApiError) -> Response {
+    (code, Json(e)).into_response()
+}
+
+async fn renew(State(s): State<Arc<HttpState>>, body: axum::body::Bytes) -> Response {
+    let r: RenewRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return err(StatusCode::BAD_REQUEST, ApiError::new("bad_request", format!("body: {e}"))),
+    };
+    if r.version != API_VERSION {
+        return err(
+            StatusCode::BAD_REQUEST,
+            ApiError::new("version", format!("version: agent speaks {API_VERSION}, got {}", r.version)),
+        );
+    }
+    match s.agent.renew_local(&r.engine_id, &r.request_id, r.lease_ms) {
+        Ok(i) => Json(i).into_response(),
+        Err(e) => err(StatusCode::CONFLICT, e),
+    }
+}
+
+#[derive(Deserialize)]
+struct PairQuery {
+    pair: String,
+}
+
+/// Parses `P,D`.
+///
+/// # Errors
+/// A message naming `pair`.
+pub fn parse_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once(',') {
+        Some((p, d)) if !p.trim().is_empty() && !d.trim().is_empty() && !d.contains(',') => {
+            Ok((p.trim().to_string(), d.trim().to_string()))
+        }
+        _ => Err(format!("pair `{s}`: expected `<prefill engine id>,<decode engine id>`")),
+    }
+}
+
+async fn explain(State(s): State<Arc<HttpState>>, q: Query<PairQuery>) -> Response {
+    let (p, d) = match parse_pair(&q.pair) {
+        Ok(x) => x,
+        Err(m) => return err(StatusCode::BAD_REQUEST, ApiError::new("bad_request", m)),
+    };
+    match s.agent.explain(&p, &d) {
+        Ok((text, explain)) => Json(serde_json::json!({"text": text, "explain": explain})).into_response(),
+        Err(e) => err(StatusCode::NOT_FOUND, e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pair_parsing_names_the_field() {
+        assert_eq!(super::parse_pair("p0, d0").unwrap(), ("p0".into(), "d0".into()));
+        assert!(super::parse_pair("p0").unwrap_err().contains("pair"));
+        assert!(super::parse_pair(",d").is_err());
+        assert!(super::parse_pair("a,b,c").is_err());
+    }
+}

@@ -1,0 +1,232 @@
+//! Managed mode through two real agents on loopback: this test process is
+//! the engine of both nodes (a prefill engine `p0` registered with agent A,
+//! a decode engine `d0` with agent B), passing its memfd KV memory over the
+//! Unix sockets. READs in both directions land byte-exact in the engine's
+//! own mapping; owner notifications release leases; an expiring lease
+//! declines the READ; a second agent process exits cleanly on SIGTERM.
+mod common;
+
+use std::time::Duration;
+
+use common::{AgentProc, free_port};
+use kvloop_agent::client::{AgentClient, ClientError};
+use kvloop_agent::proto::{EngineEvent, ReadDirection};
+use kvloop_agent::lease::ReleaseReason;
+use kvloop_cli::pattern;
+use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
+
+const BLOCK: u64 = 8192;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_regions: 2,
+        num_blocks: 16,
+        block_len_bytes: BLOCK,
+        block_size_tokens: 16,
+    }
+}
+
+fn regions(tag: u64) -> Vec<HostRegion> {
+    let l = layout();
+    (0..l.num_regions as u64)
+        .map(|r| {
+            let reg = HostRegion::new(&format!("test{tag}-{r}"), l.region_len_bytes() as usize).unwrap();
+            let mut buf = vec![0u8; BLOCK as usize];
+            for b in 0..l.num_blocks as u64 {
+                pattern::fill(tag, r, b, &mut buf);
+                reg.write_at((b * BLOCK) as usize, &buf);
+            }
+            reg
+        })
+        .collect()
+}
+
+fn block_holds(regs: &[HostRegion], local: u64, tag: u64, remote: u64) -> bool {
+    regs.iter().enumerate().all(|(r, reg)| {
+        let mut buf = vec![0u8; BLOCK as usize];
+        reg.read_at((local * BLOCK) as usize, &mut buf);
+        pattern::matches(tag, r as u64, remote, &buf)
+    })
+}
+
+fn config(dir: &std::path::Path, name: &str, http: u16, peer: &str, peer_http: u16) -> std::path::PathBuf {
+    let sock = dir.join(format!("{name}.sock"));
+    let text = format!(
+        r#"
+agent_id = "{name}"
+node_addr = "127.0.0.1"
+http_listen = "127.0.0.1:{http}"
+socket_path = "{}"
+backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
+[lease]
+safety_margin_ms = 2000
+[probe]
+period_ms = 500
+large_blocks = 4
+[[peers]]
+name = "{peer}"
+http = "127.0.0.1:{peer_http}"
+"#,
+        sock.display()
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_both_ways_land_byte_exact_through_two_agents() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ha, hb) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
+    let ca = config(dir.path(), "node-a", ha, "node-b", hb);
+    let cb = config(dir.path(), "node-b", hb, "node-a", ha);
+    let mut a = AgentProc::start(&[], &ca, &dir.path().join("node-a.sock"));
+    let mut b = AgentProc::start(&[], &cb, &dir.path().join("node-b.sock"));
+
+    // The socket is owner-only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&a.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+
+    let p_mem = regions(1);
+    let d_mem = regions(2);
+    let pa = AgentClient::connect(&a.socket, "test-p0").await.unwrap();
+    let db = AgentClient::connect(&b.socket, "test-d0").await.unwrap();
+    let d_events = AgentClient::connect(&b.socket, "test-d0-events").await.unwrap();
+    assert_eq!(pa.agent_id(), "node-a");
+    let _p_sc = pa.register_memfd("p0", layout(), &p_mem, None).await.unwrap();
+    let d_sc = db.register_memfd("d0", layout(), &d_mem, None).await.unwrap();
+    assert_eq!(pa.connect_remote("p0", d_sc).await.unwrap(), "d0");
+
+    // Bad input names the field and the agent keeps serving.
+    let e = db.retain("d0", "r", vec![99], None).await.unwrap_err();
+    assert!(e.to_string().contains("block_ids[0]"), "{e}");
+    let e = pa
+        .register_memfd("p1", layout(), &p_mem[..1], None)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("layout.num_regions"), "{e}");
+
+    // D retains blocks 3 and 4 of its request under a TTL.
+    db.retain("d0", "req-d", vec![3, 4], Some(60_000)).await.unwrap();
+    // P's agent learns where d0 lives from B's /v1/engines (discovery, 1 s period).
+    let mut renewed = None;
+    for _ in 0..100 {
+        match pa.renew("d0", "req-d", 10_000).await {
+            Ok(l) => {
+                renewed = Some(l);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let l = renewed.expect("A renews d0's lease through B within 10 s");
+    assert_eq!(l.block_ids, vec![3, 4]);
+
+    // D→P: P reads D's blocks 3,4 into its blocks 0,1, lease checked, owner notified.
+    let done = pa
+        .read(
+            "p0",
+            "d0",
+            vec![BlockPair { remote: 3, local: 0 }, BlockPair { remote: 4, local: 1 }],
+            ReadDirection::D2p,
+            Some(("req-d", 1)),
+            true,
+            Some(10_000),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done.bytes, 2 * 2 * BLOCK);
+    assert_eq!(done.descriptors, 4);
+    assert!(block_holds(&p_mem, 0, 2, 3), "block 0 of p0 holds d0's block 3");
+    assert!(block_holds(&p_mem, 1, 2, 4), "block 1 of p0 holds d0's block 4");
+    assert!(block_holds(&p_mem, 2, 1, 2), "untouched blocks keep their contents");
+
+    // D gets the notification and the release of its blocks.
+    let mut got_notif = false;
+    let mut released = None;
+    for _ in 0..50 {
+        for ev in d_events.events("d0", 200).await.unwrap() {
+            match ev {
+                EngineEvent::Notification { owner_request_id, count, from_engine_id } => {
+                    assert_eq!((owner_request_id.as_str(), count, from_engine_id.as_str()), ("req-d", 1, "p0"));
+                    got_notif = true;
+                }
+                EngineEvent::Released(r) => released = Some(r),
+            }
+        }
+        if got_notif && released.is_some() {
+            break;
+        }
+    }
+    assert!(got_notif, "owner notification reached d0");
+    let r = released.expect("d0's blocks released after the notification");
+    assert_eq!((r.reason, r.block_ids), (ReleaseReason::Notified, vec![3, 4]));
+
+    // P→D: D reads P's fresh blocks 5,6 into its blocks 10,11.
+    let done = db
+        .read(
+            "d0",
+            "p0",
+            vec![BlockPair { remote: 5, local: 10 }, BlockPair { remote: 6, local: 11 }],
+            ReadDirection::P2d,
+            None,
+            false,
+            Some(10_000),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done.bytes, 2 * 2 * BLOCK);
+    assert!(block_holds(&d_mem, 10, 1, 5));
+    assert!(block_holds(&d_mem, 11, 1, 6));
+
+    // A lease that expires within the safety margin (2 s): the READ is declined.
+    db.retain("d0", "req-short", vec![7], Some(1_500)).await.unwrap();
+    let before = {
+        let mut b = vec![0u8; BLOCK as usize];
+        p_mem[0].read_at((8 * BLOCK) as usize, &mut b);
+        b
+    };
+    let e = pa
+        .read(
+            "p0",
+            "d0",
+            vec![BlockPair { remote: 7, local: 8 }],
+            ReadDirection::D2p,
+            Some(("req-short", 1)),
+            true,
+            None,
+        )
+        .await
+        .unwrap_err();
+    match &e {
+        ClientError::Api(a) => assert_eq!(a.kind, "lease", "{e}"),
+        other => panic!("{other}"),
+    }
+    let mut after = vec![0u8; BLOCK as usize];
+    p_mem[0].read_at((8 * BLOCK) as usize, &mut after);
+    assert_eq!(before, after, "a declined READ does not touch the destination");
+    // ... and it expires, telling the owner.
+    let mut expired = false;
+    for _ in 0..30 {
+        if d_events.events("d0", 200).await.unwrap().iter().any(|e| {
+            matches!(e, EngineEvent::Released(r) if r.request_id == "req-short" && r.reason == ReleaseReason::Expired)
+        }) {
+            expired = true;
+            break;
+        }
+    }
+    assert!(expired, "the short lease expired and d0 was told");
+
+    // Metrics and health over HTTP.
+    let m = reqwest::get(format!("http://{}/metrics", a.http)).await.unwrap().text().await.unwrap();
+    assert!(m.contains("kvloop_agent_reads_total{direction=\"d2p\",result=\"ok\"} 1"), "{m}");
+    assert!(m.contains("kvloop_agent_engines 1"), "{m}");
+    let h = reqwest::get(format!("http://{}/healthz", a.http)).await.unwrap();
+    assert!(h.status().is_success());
+
+    drop((pa, db, d_events));
+    assert!(a.stop(), "agent A exits cleanly on SIGTERM");
+    assert!(b.stop(), "agent B exits cleanly on SIGTERM");
+    assert!(!dir.path().join("node-a.sock").exists(), "socket removed at shutdown");
+}
