@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::client::ModeRun;
+use crate::client::{ModeRun, RequestRecord};
 use crate::{LoadgenError, Result};
 
 /// Default bucket lower edges, tokens: 0, 1k, 2k, 4k, 8k, 12k, 16k, 20k, 24k,
@@ -61,12 +61,11 @@ pub struct BucketSummary {
     /// number or a string that parses as one, e.g. a header
     /// `x-kvloop-transfer-ms: 42`) over the bucket's successful requests.
     ///
-    /// [`RequestRecord::server_info`]: crate::client::RequestRecord::server_info
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub server_p50: BTreeMap<String, f64>,
 }
 
-fn server_p50(records: &[&&crate::client::RequestRecord]) -> BTreeMap<String, f64> {
+fn server_p50(records: &[&&RequestRecord]) -> BTreeMap<String, f64> {
     let mut values: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for r in records {
         for (k, v) in &r.server_info {
@@ -134,11 +133,17 @@ impl Report {
     /// Summary rows, by mode (in push order) then bucket (ascending); empty
     /// buckets are left out.
     pub fn summaries(&self) -> Vec<BucketSummary> {
+        self.summaries_where(|_| true)
+    }
+
+    /// [`Report::summaries`] over the requests `keep` accepts, e.g.
+    /// `|r| r.turn > 0` for the turns that can reuse an earlier turn's KV cache.
+    pub fn summaries_where(&self, keep: impl Fn(&RequestRecord) -> bool) -> Vec<BucketSummary> {
         let mut out = Vec::new();
         for run in &self.runs {
-            let mut by_bucket: Vec<Vec<&crate::client::RequestRecord>> =
+            let mut by_bucket: Vec<Vec<&RequestRecord>> =
                 vec![Vec::new(); self.bucket_edges_tokens.len()];
-            for r in &run.records {
+            for r in run.records.iter().filter(|r| keep(r)) {
                 by_bucket[self.bucket_of(r.input_tokens)].push(r);
             }
             for (b, rs) in by_bucket.iter().enumerate() {
@@ -172,12 +177,17 @@ impl Report {
     /// more modes) a comparison of TTFT p50 per bucket with each mode's
     /// speed-up over the first mode.
     pub fn render_table(&self) -> String {
+        self.render_table_where(|_| true)
+    }
+
+    /// [`Report::render_table`] over the requests `keep` accepts.
+    pub fn render_table_where(&self, keep: impl Fn(&RequestRecord) -> bool) -> String {
         let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
         let bucket = |lo: u64, hi: Option<u64>| match hi {
             Some(h) => format!("[{lo}, {h})"),
             None => format!("[{lo}, inf)"),
         };
-        let rows = self.summaries();
+        let rows = self.summaries_where(keep);
         let mut s = String::new();
         let _ = writeln!(
             s,

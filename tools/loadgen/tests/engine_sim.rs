@@ -32,6 +32,7 @@ async fn agentic_run_against_engine_sim() {
     let convs = generate_agentic(&spec, &corpus, &tok).unwrap();
     let mut cfg = ClientConfig::new(sim.url());
     cfg.max_concurrency = 2;
+    cfg.request_timeout = std::time::Duration::from_secs(30);
     let run = run_mode("OFF", &convs, &cfg, &tok).await.unwrap();
     assert_eq!(run.records.len(), 12);
     assert!(

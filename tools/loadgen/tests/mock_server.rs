@@ -121,6 +121,7 @@ async fn sends_session_and_feeds_answers_back() {
     let (url, seen) = spawn_mock().await;
     let tok = TokenCounter::default_counter();
     let mut cfg = ClientConfig::new(&url);
+    cfg.request_timeout = std::time::Duration::from_secs(30);
     cfg.max_concurrency = 2;
     cfg.extra_body.insert("cache_salt".into(), json!("s1"));
     let convs = conversations();
@@ -204,6 +205,7 @@ async fn limits_and_failures_are_recorded() {
     convs[1].id = "fail-me".into();
     let mut cfg = ClientConfig::new(&url);
     cfg.model = Some("m".into());
+    cfg.request_timeout = std::time::Duration::from_secs(30);
     cfg.tag_ids_with_mode = false;
     let run = run_mode("x", &convs, &cfg, &tok).await.unwrap();
     // conv0: 3 turns, fail-me: 1 failed turn ends it, conv2: 3 turns.
@@ -248,7 +250,8 @@ async fn limits_and_failures_are_recorded() {
 async fn several_modes_merge_into_one_report_and_chart() {
     let (url, _) = spawn_mock().await;
     let tok = TokenCounter::default_counter();
-    let cfg = ClientConfig::new(&url);
+    let mut cfg = ClientConfig::new(&url);
+    cfg.request_timeout = std::time::Duration::from_secs(30);
     let convs = conversations();
     let mut rep = Report::new(default_bucket_edges_tokens(), tok.name());
     for mode in ["OFF", "fixed", "adaptive"] {
@@ -262,6 +265,16 @@ async fn several_modes_merge_into_one_report_and_chart() {
     for m in ["OFF", "fixed", "adaptive", "TTFT p50", "x adaptive"] {
         assert!(table.contains(m), "{m} missing from\n{table}");
     }
+    let later = rep.summaries_where(|r| r.turn > 0);
+    assert_eq!(
+        later
+            .iter()
+            .filter(|r| r.mode == "OFF")
+            .map(|r| r.count)
+            .sum::<usize>(),
+        6
+    );
+    assert!(rep.render_table_where(|r| r.turn > 0).contains("x fixed"));
     let rows = rep.summaries();
     assert_eq!(
         rows.iter()
