@@ -2,6 +2,7 @@
 mod bench;
 mod demo;
 mod demo_dataplane;
+mod explain;
 mod multiturn;
 mod node;
 
@@ -26,6 +27,8 @@ enum Cmd {
     Bench(BenchCmd),
     /// Demos (real local runs); without a subcommand: `loop`.
     Demo(DemoCli),
+    /// Why a (P, D) pair has its recompute threshold (asks the P node's agent).
+    Explain(explain::ExplainArgs),
 }
 
 #[derive(clap::Args)]
@@ -74,6 +77,7 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(async move {
         match cli.cmd {
             Cmd::Node(a) => node::run(a).await,
+            Cmd::Explain(a) => tokio::task::spawn_blocking(move || explain::run(a)).await?,
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
             Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(a).await,
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {
