@@ -145,6 +145,26 @@ pub struct ProbeConfig {
     pub rt_daddr_v6_off: u32,
 }
 
+/// log2 of the number of slots of the in-flight table of the kvloop sites.
+pub const KV_SLOTS_LOG2: u32 = 16;
+/// Slots of the in-flight table of the kvloop sites (65,536).
+pub const KV_SLOTS: u32 = 1 << KV_SLOTS_LOG2;
+
+/// One slot of the kvloop sites' in-flight table: which READ and when it was
+/// posted (`start_ns` = 0: free).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvSlot {
+    /// Process that posted.
+    pub tgid: u32,
+    /// Padding.
+    pub _pad: u32,
+    /// `xfer_id` of the READ.
+    pub xfer_id: u64,
+    /// Post time, ns since boot; 0 when the slot is free.
+    pub start_ns: u64,
+}
+
 /// Key of a pending READ (between post and done).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -390,6 +410,7 @@ mod pod {
     unsafe impl aya::Pod for RetransmitKey {}
     unsafe impl aya::Pod for NixlReqInfo {}
     unsafe impl aya::Pod for NixlCallArgs {}
+    unsafe impl aya::Pod for KvSlot {}
 }
 
 #[cfg(test)]
@@ -408,6 +429,8 @@ mod tests {
         assert_eq!(size_of::<RetransmitKey>(), 24);
         assert_eq!(size_of::<LatencyHist>(), (LAT_SLOTS + 3) * 8);
         assert!(PREFILL_HEAD_LEN.is_power_of_two());
+        assert_eq!(size_of::<KvSlot>(), 24);
+        assert_eq!(KV_SLOTS, 65536);
     }
 
     #[test]

@@ -16,8 +16,8 @@ use aya::programs::{
 };
 use aya::{Ebpf, EbpfLoader};
 use kvloop_common::{
-    LatencyHist, MAX_PREFILL_PORTS, PendingKey, PrefillHistKey, ReadProbeArgs, RetransmitKey,
-    XferHistKey, counter, enable, site,
+    LatencyHist, MAX_PREFILL_PORTS, PrefillHistKey, ReadProbeArgs, RetransmitKey, XferHistKey,
+    counter, enable, site,
 };
 use prometheus_client::registry::Registry;
 use tokio::sync::broadcast;
@@ -331,9 +331,6 @@ impl Probes {
             RingBuf::try_from(take(&mut ebpf, "EVENTS")?).map_err(|e| map_err("EVENTS", e))?;
         let server_tgids = AyaHashMap::try_from(take(&mut ebpf, "SERVER_TGIDS")?)
             .map_err(|e| map_err("SERVER_TGIDS", e))?;
-        let kv_start: AyaHashMap<MapData, PendingKey, u64> =
-            AyaHashMap::try_from(take(&mut ebpf, "KV_START")?)
-                .map_err(|e| map_err("KV_START", e))?;
 
         for name in UPROBES {
             let p: &mut UProbe = ebpf
@@ -374,7 +371,7 @@ impl Probes {
             stop: AtomicBool::new(false),
         });
         let probes = Self {
-            drain: Some(spawn_drain(inner.clone(), ring, kv_start)?),
+            drain: Some(spawn_drain(inner.clone(), ring)?),
             inner,
         };
         probes.attach_tracepoints()?;
@@ -840,38 +837,15 @@ fn nixl_symbols(lib: &Path) -> Result<Vec<String>, ProbeError> {
         .collect()
 }
 
-/// How often the in-flight READ map is swept for processes that exited
-/// between a post and its done.
-const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
-
-/// Removes in-flight READs of processes that no longer exist (the kernel map
-/// is a plain hash, not an LRU, to keep the post probe cheap).
-fn sweep_dead(kv_start: &mut AyaHashMap<MapData, PendingKey, u64>) {
-    let dead: Vec<PendingKey> = kv_start
-        .keys()
-        .flatten()
-        .filter(|k| !Path::new(&format!("/proc/{}", k.tgid)).exists())
-        .collect();
-    for k in dead {
-        let _ = kv_start.remove(&k);
-    }
-}
-
 fn spawn_drain(
     inner: Arc<Inner>,
     mut ring: RingBuf<MapData>,
-    mut kv_start: AyaHashMap<MapData, PendingKey, u64>,
 ) -> Result<JoinHandle<()>, ProbeError> {
     std::thread::Builder::new()
         .name("kvloop-probes-drain".into())
         .spawn(move || {
             let fd = ring.as_raw_fd();
-            let mut last_sweep = std::time::Instant::now();
             while !inner.stop.load(Ordering::Relaxed) {
-                if last_sweep.elapsed() >= SWEEP_INTERVAL {
-                    sweep_dead(&mut kv_start);
-                    last_sweep = std::time::Instant::now();
-                }
                 let mut pfd = libc::pollfd {
                     fd,
                     events: libc::POLLIN,
