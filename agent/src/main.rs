@@ -126,15 +126,8 @@ fn main() -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         std::process::exit(if report.ready { 0 } else { 1 });
     }
-    let r = rt.block_on(run(cfg));
-    // Do not wait for blocking tasks or provider threads beyond a bound.
-    rt.shutdown_timeout(std::time::Duration::from_secs(1));
-    if let Err(e) = &r {
-        eprintln!("kvloop-agent: {e:#}");
-        std::process::exit(1);
-    }
-    tracing::info!("stopped");
-    std::process::exit(0);
+    // `run` exits the process itself after a graceful stop.
+    rt.block_on(run(cfg))
 }
 
 async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
@@ -170,14 +163,20 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let _ = std::io::stdout().flush();
     shutdown.await;
     tracing::info!("shutting down");
-    drop(loops);
+    // Stop accepting local and HTTP requests, remove the socket.
     unix.abort();
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), http_task).await;
     let _ = std::fs::remove_file(&cfg.socket_path);
-    agent.shutdown();
-    drop(agent);
-    Ok(())
+    // The transfer engines are not dropped one by one: a probe or managed
+    // READ may still be in flight inside a provider's progress thread, and
+    // tearing its registrations down under it is what a process exit does
+    // atomically (the kernel unmaps everything at once; peers see their side
+    // channels close).
+    std::mem::forget(loops);
+    std::mem::forget(agent);
+    tracing::info!("stopped");
+    std::process::exit(0)
 }
 
 async fn load_probes(cfg: &AgentConfig) -> anyhow::Result<kvloop_probes::Probes> {
