@@ -7,12 +7,16 @@
 //! The NIXL test needs the NIXL runtime (`scripts/bootstrap.sh nixl`) in
 //! `$KVLOOP_NIXL_DIR` (default `~/.cache/kvloop/nixl-cu12-1.5.1`).
 //!
-//! Tolerances (consistency checks, not speed targets): a kernel-measured
+//! Tolerances (consistency checks, not speed targets): a READ's kernel-measured
 //! latency lies inside the user-space interval that encloses it, so we check
-//! `kernel <= user + 50 µs` for every sample and, on the medians,
-//! `user - kernel <= max(200 µs, 10 % of user)` (USDT sites, prefill) or
+//! `kernel <= user + 50 µs` for every READ and, on the median of
+//! `user - kernel`, `<= max(200 µs, 10 % of user)` (USDT sites) or
 //! `max(1 ms, 25 %)` (NIXL: its probes are uprobes on ordinary function
-//! entries and returns, ~10 µs each on this VM, and the reader polls).
+//! entries and returns, ~10 µs each on this VM, and the reader polls), with up
+//! to 3 attempts. For prefill the kernel interval (first byte received inside
+//! `recv` → first byte sent inside `send`) encloses the server's own timing,
+//! so per request `kernel - user <= max(2 ms, 10 %)` and
+//! `user - kernel <= max(200 µs, 10 %)`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -468,8 +472,10 @@ fn prefill_latency_and_token_attribution() {
             s.latency_ns, s.tokens
         );
         assert!(s.latency_ns >= delay.as_nanos() as u64, "{s:?}");
+        // the kernel interval (inside recv → inside send) encloses the
+        // server's user-space interval (after recv → before send)
         assert!(
-            s.latency_ns <= u + 50_000 + 1_000_000,
+            s.latency_ns <= u + (u / 10).max(2_000_000),
             "kernel {} vs user {u}",
             s.latency_ns
         );
