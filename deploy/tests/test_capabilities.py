@@ -7,9 +7,10 @@ started by root here (exec recomputes root's permitted and effective sets
 from the bounding set); the test reads the agent's /proc/<pid>/status to
 prove it.
 
-* With the DaemonSet's set, the agent loads its eBPF programs, attaches its
-  uprobes (READ sites) and tracepoints, and serves /healthz and /metrics with
-  `source="ebpf"`.
+* With the DaemonSet's set, and the DaemonSet's read-only host paths
+  (tracefs, debugfs, BTF, bpffs) read-only in a private mount namespace, the
+  agent loads its eBPF programs, attaches its uprobes (READ sites) and
+  tracepoints, and serves /healthz and /metrics with `source="ebpf"`.
 * Without CAP_SYS_ADMIN it cannot load its probes and, with
   `require_ebpf = true` (as deployed), refuses to start.
 * CAP_SYS_PTRACE and CAP_IPC_LOCK guard operations this single-node test has
@@ -46,6 +47,27 @@ def daemonset_caps() -> list[str]:
     return ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"]
 
 
+def readonly_host_paths() -> list[str]:
+    """Host paths the DaemonSet mounts read-only (that exist on this machine)."""
+    pod = find(plain_objects(), "DaemonSet", "kvloop-agent")["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    out = []
+    for m in pod["containers"][0]["volumeMounts"]:
+        if m["name"] in host and m.get("readOnly") and Path(host[m["name"]]).is_dir():
+            assert m["mountPath"] == host[m["name"]]
+            out.append(m["mountPath"])
+    return out
+
+
+def as_in_the_daemonset(caps: list[str], argv: list[str]) -> list[str]:
+    """argv in a private mount namespace where the DaemonSet's read-only host
+    paths are read-only, under exactly `caps`."""
+    mounts = " && ".join(f"mount -o bind,ro {p} {p}" for p in readonly_host_paths())
+    inner = " ".join(["exec"] + [f"'{a}'" for a in setpriv_args(caps) + argv])
+    return [tool("unshare"), "--mount", "--propagation", "private", "--", "sh", "-c",
+            f"{mounts} && {inner}" if mounts else inner]
+
+
 def setpriv_args(caps: list[str]) -> list[str]:
     spec = ",".join(["-all"] + [f"+{c.lower()}" for c in caps])
     return [tool("setpriv"), f"--bounding-set={spec}", "--"]
@@ -73,7 +95,7 @@ class Agent:
             'backend = { kind = "libfabric", provider = "tcp;ofi_rxm", bind_node = "127.0.0.1" }\n')
         self.err_path = tmp / f"{name}.err"
         self.proc = subprocess.Popen(
-            setpriv_args(caps) + [str(kvloop_bin("kvloop-agent")), "--config", str(cfg)],
+            as_in_the_daemonset(caps, [str(kvloop_bin("kvloop-agent")), "--config", str(cfg)]),
             stdout=subprocess.PIPE, stderr=open(self.err_path, "w"), text=True,
             env={**os.environ, "RUST_LOG": "info,netlink_packet_route=error", "NO_COLOR": "1"},
             start_new_session=True)
@@ -110,10 +132,14 @@ def test_daemonset_set_loads_probes_and_serves_healthz(tmp):
     a = Agent(caps, tmp)
     try:
         assert a.ready.startswith("READY"), f"agent did not start under {caps}:\n{a.stderr()[-3000:]}"
-        status = Path(f"/proc/{a.proc.pid}/status").read_text()
+        status = Path(f"/proc/{a.proc.pid}/status").read_text()  # sh exec'd setpriv exec'd the agent
         eff = int(re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
         bnd = int(re.search(r"^CapBnd:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
         assert eff == cap_mask(caps) and bnd == cap_mask(caps), (hex(eff), hex(bnd), caps)
+        mountinfo = Path(f"/proc/{a.proc.pid}/mountinfo").read_text().splitlines()
+        for path in readonly_host_paths():
+            opts = [l.split()[5] for l in mountinfo if l.split()[4] == path]
+            assert opts and opts[-1].split(",")[0] == "ro", (path, opts)
         r = requests.get(f"http://127.0.0.1:{a.port}/healthz", timeout=5)
         assert r.status_code == 200, r.text
         m = requests.get(f"http://127.0.0.1:{a.port}/metrics", timeout=5).text
