@@ -231,14 +231,18 @@ impl Agent {
     }
 
     /// The peer agent hosting `engine_id` (from the peers' engine lists).
+    /// An id of exactly [`kvloop_common::PEER_LEN`] bytes also matches the
+    /// longer ids it is a prefix of (probe samples carry truncated ids).
     pub fn peer_of_engine(&self, engine_id: &str) -> Option<String> {
+        let truncated = engine_id.len() == kvloop_common::PEER_LEN;
+        let m = |id: &str| id == engine_id || (truncated && id.starts_with(engine_id));
         let peers = self.peers.read().unwrap();
         peers
             .iter()
             .find(|(_, p)| {
                 p.info.as_ref().is_some_and(|i| {
-                    i.engines.iter().any(|e| e.engine_id == engine_id)
-                        || i.probe.as_ref().is_some_and(|e| e.engine_id == engine_id)
+                    i.engines.iter().any(|e| m(&e.engine_id))
+                        || i.probe.as_ref().is_some_and(|e| m(&e.engine_id))
                 })
             })
             .map(|(n, _)| n.clone())
@@ -273,7 +277,9 @@ impl Agent {
         if engine_id.starts_with(PROBE_ENGINE_PREFIX) {
             return Err(ApiError::new(
                 "bad_request",
-                format!("engine_id: `{PROBE_ENGINE_PREFIX}*` is reserved for the agent's probe engine"),
+                format!(
+                    "engine_id: `{PROBE_ENGINE_PREFIX}*` is reserved for the agent's probe engine"
+                ),
             ));
         }
         layout
@@ -337,11 +343,12 @@ impl Agent {
                     Err(_) => return,
                 };
                 let Some(agent) = weak.upgrade() else { return };
-                let released = agent
-                    .leases
-                    .lock()
-                    .unwrap()
-                    .on_notification(&id, &n.owner_request_id, n.count);
+                let released =
+                    agent
+                        .leases
+                        .lock()
+                        .unwrap()
+                        .on_notification(&id, &n.owner_request_id, n.count);
                 agent.push_event(
                     &id,
                     EngineEvent::Notification {
@@ -553,7 +560,9 @@ impl Agent {
             )
         })?;
         let http = self.peers.read().unwrap().get(&peer).and_then(|p| p.http);
-        let http = http.ok_or_else(|| ApiError::new("internal", format!("peer `{peer}` has no HTTP address")))?;
+        let http = http.ok_or_else(|| {
+            ApiError::new("internal", format!("peer `{peer}` has no HTTP address"))
+        })?;
         let url = format!("http://{http}/v1/leases/renew");
         let body = crate::http::RenewRequest {
             version: crate::http::API_VERSION,
@@ -593,8 +602,10 @@ impl Agent {
     ) -> Result<LeaseInfo, ApiError> {
         let now = self.now_ms();
         let mut t = self.leases.lock().unwrap();
-        t.check_read(engine_id, request_id, now).map_err(lease_err)?;
-        t.renew(engine_id, request_id, lease_ms, now).map_err(lease_err)
+        t.check_read(engine_id, request_id, now)
+            .map_err(lease_err)?;
+        t.renew(engine_id, request_id, lease_ms, now)
+            .map_err(lease_err)
     }
 
     /// The owner releases blocks.

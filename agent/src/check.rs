@@ -121,7 +121,11 @@ pub async fn run(cfg: &AgentConfig) -> Report {
         Part {
             ok: sock_ok,
             required: true,
-            detail: format!("{} {}", dir.display(), if sock_ok { "writable" } else { "not writable" }),
+            detail: format!(
+                "{} {}",
+                dir.display(),
+                if sock_ok { "writable" } else { "not writable" }
+            ),
         },
     );
     let ready = parts.values().all(|p| p.ok || !p.required);

@@ -35,8 +35,8 @@ use tokio::sync::Mutex;
 
 use crate::lease::LeaseInfo;
 use crate::proto::{
-    ApiError, EngineEvent, PROTOCOL_VERSION, ReadDirection, ReadDone, RegionSource, Reply, Request, Response,
-    read_frame, send_json,
+    ApiError, EngineEvent, PROTOCOL_VERSION, ReadDirection, ReadDone, RegionSource, Reply, Request,
+    Response, read_frame, send_json,
 };
 
 /// Errors of [`AgentClient`].
@@ -82,7 +82,9 @@ impl AgentClient {
             .await?
         {
             Reply::Welcome { agent_id, .. } => Ok(Self { agent_id, ..me }),
-            other => Err(ClientError::Protocol(format!("expected welcome, got {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "expected welcome, got {other:?}"
+            ))),
         }
     }
 
@@ -142,9 +144,14 @@ impl AgentClient {
     /// # Errors
     /// `unknown_engine`.
     pub async fn unregister(&self, engine_id: &str) -> Result<(), ClientError> {
-        self.call(&Request::Unregister { engine_id: engine_id.into() }, &[])
-            .await
-            .map(|_| ())
+        self.call(
+            &Request::Unregister {
+                engine_id: engine_id.into(),
+            },
+            &[],
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Connects a registered engine to a remote engine's side channel;
@@ -152,9 +159,19 @@ impl AgentClient {
     ///
     /// # Errors
     /// `unknown_engine`, `dataplane` (handshake refused, layout mismatch).
-    pub async fn connect_remote(&self, engine_id: &str, remote: SocketAddr) -> Result<String, ClientError> {
+    pub async fn connect_remote(
+        &self,
+        engine_id: &str,
+        remote: SocketAddr,
+    ) -> Result<String, ClientError> {
         match self
-            .call(&Request::Connect { engine_id: engine_id.into(), remote }, &[])
+            .call(
+                &Request::Connect {
+                    engine_id: engine_id.into(),
+                    remote,
+                },
+                &[],
+            )
             .await?
         {
             Reply::Connected { peer_engine_id } => Ok(peer_engine_id),
@@ -255,7 +272,12 @@ impl AgentClient {
     ///
     /// # Errors
     /// `lease` when unknown or expiring within the safety margin.
-    pub async fn renew(&self, peer_engine_id: &str, request_id: &str, lease_ms: u64) -> Result<LeaseInfo, ClientError> {
+    pub async fn renew(
+        &self,
+        peer_engine_id: &str,
+        request_id: &str,
+        lease_ms: u64,
+    ) -> Result<LeaseInfo, ClientError> {
         match self
             .call(
                 &Request::Renew {
@@ -293,7 +315,11 @@ impl AgentClient {
     ///
     /// # Errors
     /// `unknown_engine`.
-    pub async fn events(&self, engine_id: &str, timeout_ms: u64) -> Result<Vec<EngineEvent>, ClientError> {
+    pub async fn events(
+        &self,
+        engine_id: &str,
+        timeout_ms: u64,
+    ) -> Result<Vec<EngineEvent>, ClientError> {
         match self
             .call(
                 &Request::Events {
@@ -338,7 +364,11 @@ impl AgentClient {
     ///
     /// # Errors
     /// `bad_request` for an unknown pair.
-    pub async fn explain(&self, prefill: &str, decode: &str) -> Result<(String, serde_json::Value), ClientError> {
+    pub async fn explain(
+        &self,
+        prefill: &str,
+        decode: &str,
+    ) -> Result<(String, serde_json::Value), ClientError> {
         match self
             .call(
                 &Request::Explain {

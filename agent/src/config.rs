@@ -69,6 +69,11 @@ pub struct AgentConfig {
     /// Fail `--check` and refuse to start when eBPF probes cannot load
     /// [false: fall back to user-space timing].
     pub require_ebpf: bool,
+    /// Prefill servers timed in the kernel by the eBPF prefill probe
+    /// (observe mode: stock engines that do not report their prefill
+    /// timings); requests must carry `X-KVLoop-Tokens` (the router adds it)
+    /// [none].
+    pub prefill_ports: Vec<PrefillPort>,
     /// Lease policy of retained blocks.
     pub lease: LeaseConfig,
     /// Active probes.
@@ -100,6 +105,7 @@ impl Default for AgentConfig {
             push_attempts: 3,
             push_timeout_ms: 1000,
             require_ebpf: false,
+            prefill_ports: Vec::new(),
             lease: LeaseConfig::default(),
             probe: ProbeConfig::default(),
             network: NetworkConfig::default(),
@@ -185,6 +191,16 @@ impl Default for NetworkConfig {
             poll_ms: 1000,
         }
     }
+}
+
+/// A prefill engine's serving port on this node.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillPort {
+    /// The prefill engine id the samples are recorded for.
+    pub engine_id: String,
+    /// Its HTTP serving port.
+    pub port: u16,
 }
 
 /// A peer agent.
@@ -327,7 +343,9 @@ impl AgentConfig {
             }
         }
         for (i, pair) in self.pairs.iter().enumerate() {
-            if pair.bytes_per_token == 0 || pair.block_size_tokens == 0 || pair.regions_per_block == 0
+            if pair.bytes_per_token == 0
+                || pair.block_size_tokens == 0
+                || pair.regions_per_block == 0
             {
                 return Err(invalid(
                     format!("pairs[{i}].bytes_per_token/block_size_tokens/regions_per_block"),

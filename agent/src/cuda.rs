@@ -48,7 +48,8 @@ pub fn open_ipc_handle(device: i32, handle: [u8; 64]) -> Result<u64, String> {
     use cudarc::driver::sys;
     let ctx = cudarc::driver::CudaContext::new(device as usize)
         .map_err(|e| format!("device {device}: {e}"))?;
-    ctx.bind_to_thread().map_err(|e| format!("device {device}: {e}"))?;
+    ctx.bind_to_thread()
+        .map_err(|e| format!("device {device}: {e}"))?;
     let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
     for (d, s) in h.reserved.iter_mut().zip(handle.iter()) {
         *d = *s as _;
@@ -74,7 +75,11 @@ mod tests {
     fn handle_hex_is_checked() {
         let ok = "ab".repeat(64);
         assert_eq!(super::decode_handle(&ok).unwrap()[63], 0xab);
-        assert!(super::decode_handle("ab").unwrap_err().contains("handle_hex"));
+        assert!(
+            super::decode_handle("ab")
+                .unwrap_err()
+                .contains("handle_hex")
+        );
         assert!(super::decode_handle(&"zz".repeat(64)).is_err());
     }
 }

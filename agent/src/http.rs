@@ -89,12 +89,20 @@ fn err(code: StatusCode, e: ApiError) -> Response {
 async fn renew(State(s): State<Arc<HttpState>>, body: axum::body::Bytes) -> Response {
     let r: RenewRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return err(StatusCode::BAD_REQUEST, ApiError::new("bad_request", format!("body: {e}"))),
+        Err(e) => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                ApiError::new("bad_request", format!("body: {e}")),
+            );
+        }
     };
     if r.version != API_VERSION {
         return err(
             StatusCode::BAD_REQUEST,
-            ApiError::new("version", format!("version: agent speaks {API_VERSION}, got {}", r.version)),
+            ApiError::new(
+                "version",
+                format!("version: agent speaks {API_VERSION}, got {}", r.version),
+            ),
         );
     }
     match s.agent.renew_local(&r.engine_id, &r.request_id, r.lease_ms) {
@@ -117,7 +125,9 @@ pub fn parse_pair(s: &str) -> Result<(String, String), String> {
         Some((p, d)) if !p.trim().is_empty() && !d.trim().is_empty() && !d.contains(',') => {
             Ok((p.trim().to_string(), d.trim().to_string()))
         }
-        _ => Err(format!("pair `{s}`: expected `<prefill engine id>,<decode engine id>`")),
+        _ => Err(format!(
+            "pair `{s}`: expected `<prefill engine id>,<decode engine id>`"
+        )),
     }
 }
 
@@ -127,7 +137,9 @@ async fn explain(State(s): State<Arc<HttpState>>, q: Query<PairQuery>) -> Respon
         Err(m) => return err(StatusCode::BAD_REQUEST, ApiError::new("bad_request", m)),
     };
     match s.agent.explain(&p, &d) {
-        Ok((text, explain)) => Json(serde_json::json!({"text": text, "explain": explain})).into_response(),
+        Ok((text, explain)) => {
+            Json(serde_json::json!({"text": text, "explain": explain})).into_response()
+        }
         Err(e) => err(StatusCode::NOT_FOUND, e),
     }
 }
@@ -136,7 +148,10 @@ async fn explain(State(s): State<Arc<HttpState>>, q: Query<PairQuery>) -> Respon
 mod tests {
     #[test]
     fn pair_parsing_names_the_field() {
-        assert_eq!(super::parse_pair("p0, d0").unwrap(), ("p0".into(), "d0".into()));
+        assert_eq!(
+            super::parse_pair("p0, d0").unwrap(),
+            ("p0".into(), "d0".into())
+        );
         assert!(super::parse_pair("p0").unwrap_err().contains("pair"));
         assert!(super::parse_pair(",d").is_err());
         assert!(super::parse_pair("a,b,c").is_err());

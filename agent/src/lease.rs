@@ -189,7 +189,9 @@ impl LeaseTable {
                 received: 0,
             },
         );
-        Ok(self.info(engine_id, request_id, now_ms).expect("just inserted"))
+        Ok(self
+            .info(engine_id, request_id, now_ms)
+            .expect("just inserted"))
     }
 
     /// The lease of a request, if retained and not expired.

@@ -57,7 +57,8 @@ struct Cli {
 fn load_config(cli: &Cli) -> anyhow::Result<AgentConfig> {
     let mut cfg = match &cli.config {
         Some(p) => {
-            let t = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let t =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             AgentConfig::from_toml(&t).with_context(|| format!("in {}", p.display()))?
         }
         None => AgentConfig::default(),
@@ -77,7 +78,9 @@ fn load_config(cli: &Cli) -> anyhow::Result<AgentConfig> {
     if let Some(v) = &cli.provider {
         match &mut cfg.backend {
             BackendConfig::Libfabric(f) => f.provider = v.clone(),
-            BackendConfig::Nixl(_) => anyhow::bail!("--provider: the configured backend is NIXL, not libfabric"),
+            BackendConfig::Nixl(_) => {
+                anyhow::bail!("--provider: the configured backend is NIXL, not libfabric")
+            }
         }
     }
     if let Some(v) = cli.push_period_ms {
@@ -108,9 +111,16 @@ fn main() -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| "info,netlink_packet_route=error".into());
     if cli.log_json {
-        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
     } else {
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
     }
     let cfg = load_config(&cli)?;
     if cli.print_config {
@@ -158,7 +168,10 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         probe_engine = ?agent.probe_engine.as_ref().map(|e| e.side_channel_addr()),
         ebpf = agent.probes.source().label(), "kvloop-agent running"
     );
-    println!("READY http={http_addr} socket={}", cfg.socket_path.display());
+    println!(
+        "READY http={http_addr} socket={}",
+        cfg.socket_path.display()
+    );
     use std::io::Write;
     let _ = std::io::stdout().flush();
     shutdown.await;
@@ -182,8 +195,9 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
 async fn load_probes(cfg: &AgentConfig) -> anyhow::Result<kvloop_probes::Probes> {
     let pc = kvloop_probes::ProbeConfig {
         transfer: true,
-        prefill: false,
+        prefill: !cfg.prefill_ports.is_empty(),
         retransmit: true,
+        prefill_ports: cfg.prefill_ports.iter().map(|p| p.port).collect(),
         ..Default::default()
     };
     let probes = tokio::task::spawn_blocking(move || kvloop_probes::Probes::load(pc)).await?;

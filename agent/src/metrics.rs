@@ -89,34 +89,102 @@ impl Metrics {
     /// Registers every metric in `r` under the `kvloop_agent` prefix.
     pub fn register(&self, r: &mut Registry) {
         let r = r.sub_registry_with_prefix("kvloop_agent");
-        r.register("engines", "Engines registered (managed mode)", self.engines.clone());
-        r.register("leases", "Retained requests under a lease", self.leases.clone());
+        r.register(
+            "engines",
+            "Engines registered (managed mode)",
+            self.engines.clone(),
+        );
+        r.register(
+            "leases",
+            "Retained requests under a lease",
+            self.leases.clone(),
+        );
         r.register("reads", "Managed READs", self.reads.clone());
-        r.register("read_bytes", "Payload bytes of successful managed READs", self.read_bytes.clone());
-        r.register("probe_reads", "Active probe READs", self.probe_reads.clone());
-        r.register("probe_skipped", "Probe rounds skipped by the rate limit", self.probe_skipped.clone());
+        r.register(
+            "read_bytes",
+            "Payload bytes of successful managed READs",
+            self.read_bytes.clone(),
+        );
+        r.register(
+            "probe_reads",
+            "Active probe READs",
+            self.probe_reads.clone(),
+        );
+        r.register(
+            "probe_skipped",
+            "Probe rounds skipped by the rate limit",
+            self.probe_skipped.clone(),
+        );
         r.register(
             "path_bandwidth_bytes_per_second",
             "Fitted bandwidth of the inbound path from a peer",
             self.path_bandwidth.clone(),
         );
-        r.register("path_fixed_cost_ms", "Fitted fixed cost of one READ from a peer", self.path_fixed_ms.clone());
+        r.register(
+            "path_fixed_cost_ms",
+            "Fitted fixed cost of one READ from a peer",
+            self.path_fixed_ms.clone(),
+        );
         r.register(
             "path_bandwidth_alarm",
             "1 when a path's fitted bandwidth is far below what its provider should give",
             self.path_alarm.clone(),
         );
-        r.register("path_valid", "0 while the link under the path is down", self.path_valid.clone());
-        r.register("threshold_tokens", "Published recompute threshold per (P, D) pair", self.threshold.clone());
-        r.register("threshold_changes", "Threshold changes per pair", self.threshold_changes.clone());
-        r.register("pushes", "Threshold push attempts per router", self.pushes.clone());
-        r.register("link_up", "Link operational state (1 = up)", self.link_up.clone());
-        r.register("link_speed_mbps", "Link speed from sysfs, Mbit/s (0 unknown)", self.link_speed_mbps.clone());
+        r.register(
+            "path_valid",
+            "0 while the link under the path is down",
+            self.path_valid.clone(),
+        );
+        r.register(
+            "threshold_tokens",
+            "Published recompute threshold per (P, D) pair",
+            self.threshold.clone(),
+        );
+        r.register(
+            "threshold_changes",
+            "Threshold changes per pair",
+            self.threshold_changes.clone(),
+        );
+        r.register(
+            "pushes",
+            "Threshold push attempts per router",
+            self.pushes.clone(),
+        );
+        r.register(
+            "link_up",
+            "Link operational state (1 = up)",
+            self.link_up.clone(),
+        );
+        r.register(
+            "link_speed_mbps",
+            "Link speed from sysfs, Mbit/s (0 unknown)",
+            self.link_speed_mbps.clone(),
+        );
         r.register("link_mtu", "Link MTU, bytes", self.link_mtu.clone());
-        r.register("link_rx_bytes", "Link received bytes", self.link_rx_bytes.clone());
-        r.register("link_tx_bytes", "Link transmitted bytes", self.link_tx_bytes.clone());
-        r.register("link_rx_errors", "Link receive errors", self.link_rx_errors.clone());
-        r.register("link_tx_errors", "Link transmit errors", self.link_tx_errors.clone());
-        r.register("rdma_counter", "EFA/RDMA port counters from /sys/class/infiniband", self.rdma.clone());
+        r.register(
+            "link_rx_bytes",
+            "Link received bytes",
+            self.link_rx_bytes.clone(),
+        );
+        r.register(
+            "link_tx_bytes",
+            "Link transmitted bytes",
+            self.link_tx_bytes.clone(),
+        );
+        r.register(
+            "link_rx_errors",
+            "Link receive errors",
+            self.link_rx_errors.clone(),
+        );
+        r.register(
+            "link_tx_errors",
+            "Link transmit errors",
+            self.link_tx_errors.clone(),
+        );
+        r.register(
+            "rdma_counter",
+            "EFA/RDMA port counters from /sys/class/infiniband",
+            self.rdma.clone(),
+        );
     }
 }

@@ -115,11 +115,19 @@ pub fn iface_for(peer: IpAddr, addrs: &[(u32, u8, IpAddr)]) -> Option<u32> {
 fn same_subnet(a: IpAddr, b: IpAddr, plen: u8) -> bool {
     match (a, b) {
         (IpAddr::V4(a), IpAddr::V4(b)) => {
-            let m = if plen == 0 { 0 } else { u32::MAX << (32 - plen.min(32) as u32) };
+            let m = if plen == 0 {
+                0
+            } else {
+                u32::MAX << (32 - plen.min(32) as u32)
+            };
             u32::from(a) & m == u32::from(b) & m
         }
         (IpAddr::V6(a), IpAddr::V6(b)) => {
-            let m = if plen == 0 { 0 } else { u128::MAX << (128 - plen.min(128) as u32) };
+            let m = if plen == 0 {
+                0
+            } else {
+                u128::MAX << (128 - plen.min(128) as u32)
+            };
             u128::from(a) & m == u128::from(b) & m
         }
         _ => false,
@@ -185,18 +193,20 @@ pub fn dump_links() -> std::io::Result<Vec<LinkState>> {
 /// # Errors
 /// Netlink socket errors.
 pub fn dump_addrs() -> std::io::Result<Vec<(u32, u8, IpAddr)>> {
-    Ok(dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?
-        .into_iter()
-        .filter_map(|m| match m {
-            RouteNetlinkMessage::NewAddress(a) => a.attributes.iter().find_map(|x| match x {
-                AddressAttribute::Local(ip) | AddressAttribute::Address(ip) => {
-                    Some((a.header.index, a.header.prefix_len, *ip))
-                }
+    Ok(
+        dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?
+            .into_iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewAddress(a) => a.attributes.iter().find_map(|x| match x {
+                    AddressAttribute::Local(ip) | AddressAttribute::Address(ip) => {
+                        Some((a.header.index, a.header.prefix_len, *ip))
+                    }
+                    _ => None,
+                }),
                 _ => None,
-            }),
-            _ => None,
-        })
-        .collect())
+            })
+            .collect(),
+    )
 }
 
 /// Link speed from sysfs, Mbit/s (`None` when unknown, e.g. -1 or absent).
@@ -214,20 +224,31 @@ pub fn sysfs_speed_mbps(iface: &str) -> Option<u64> {
 /// `<root>/<dev>/ports/<port>/{counters,hw_counters}/*`.
 pub fn rdma_counters(root: &Path) -> Vec<(String, String, String, u64)> {
     let mut out = Vec::new();
-    let Ok(devs) = std::fs::read_dir(root) else { return out };
+    let Ok(devs) = std::fs::read_dir(root) else {
+        return out;
+    };
     for d in devs.flatten() {
         let dev = d.file_name().to_string_lossy().to_string();
-        let Ok(ports) = std::fs::read_dir(d.path().join("ports")) else { continue };
+        let Ok(ports) = std::fs::read_dir(d.path().join("ports")) else {
+            continue;
+        };
         for p in ports.flatten() {
             let port = p.file_name().to_string_lossy().to_string();
             for sub in ["counters", "hw_counters"] {
-                let Ok(cs) = std::fs::read_dir(p.path().join(sub)) else { continue };
+                let Ok(cs) = std::fs::read_dir(p.path().join(sub)) else {
+                    continue;
+                };
                 for c in cs.flatten() {
                     if let Some(v) = std::fs::read_to_string(c.path())
                         .ok()
                         .and_then(|s| s.trim().parse::<u64>().ok())
                     {
-                        out.push((dev.clone(), port.clone(), c.file_name().to_string_lossy().to_string(), v));
+                        out.push((
+                            dev.clone(),
+                            port.clone(),
+                            c.file_name().to_string_lossy().to_string(),
+                            v,
+                        ));
                     }
                 }
             }
@@ -267,7 +288,11 @@ pub fn apply_links(agent: &Agent, prev_up: &mut HashMap<String, bool>, links: &[
     let now = agent.now();
     for (peer, iface) in &down {
         let detail = format!("link {iface} down");
-        let changes = agent.model.lock().unwrap().invalidate_peer(peer, now, &detail);
+        let changes = agent
+            .model
+            .lock()
+            .unwrap()
+            .invalidate_peer(peer, now, &detail);
         if let Some(p) = agent.peers.write().unwrap().get_mut(peer) {
             p.path_valid = false;
         }
@@ -343,12 +368,11 @@ pub async fn watch_loop(agent: Arc<Agent>) {
                         break;
                     };
                     let len = m.header.length as usize;
-                    if let NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) = &m.payload {
-                        if let Some(st) = parse_link(l) {
-                            if tx.send(st).is_err() {
-                                return;
-                            }
-                        }
+                    if let NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) = &m.payload
+                        && let Some(st) = parse_link(l)
+                        && tx.send(st).is_err()
+                    {
+                        return;
                     }
                     if len == 0 {
                         break;
@@ -401,9 +425,12 @@ mod tests {
 
     #[test]
     fn down_invalidates_only_paths_over_that_link() {
-        let ifaces: HashMap<String, String> = [("b".to_string(), "eth1".to_string()), ("c".into(), "eth2".into())]
-            .into_iter()
-            .collect();
+        let ifaces: HashMap<String, String> = [
+            ("b".to_string(), "eth1".to_string()),
+            ("c".into(), "eth2".into()),
+        ]
+        .into_iter()
+        .collect();
         let mut prev = HashMap::new();
         prev.insert("eth1".to_string(), true);
         prev.insert("eth2".to_string(), true);
@@ -455,7 +482,10 @@ mod tests {
         std::fs::create_dir_all(&c).unwrap();
         std::fs::write(c.join("rdma_read_bytes"), "12345\n").unwrap();
         let v = rdma_counters(d.path());
-        assert_eq!(v, vec![("efa_0".into(), "1".into(), "rdma_read_bytes".into(), 12345)]);
+        assert_eq!(
+            v,
+            vec![("efa_0".into(), "1".into(), "rdma_read_bytes".into(), 12345)]
+        );
         assert!(rdma_counters(Path::new("/nonexistent")).is_empty());
     }
 

@@ -52,7 +52,10 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     &sock,
                     &Response::Err(ApiError::new(
                         "forbidden",
-                        format!("uid {} may not use this agent (only uid {own_uid} or root)", c.uid()),
+                        format!(
+                            "uid {} may not use this agent (only uid {own_uid} or root)",
+                            c.uid()
+                        ),
                     )),
                     &[],
                 )
@@ -100,7 +103,10 @@ pub async fn handle(
         if fds.is_empty() {
             Ok(())
         } else {
-            Err(ApiError::new("bad_request", "fds: only `register` carries file descriptors"))
+            Err(ApiError::new(
+                "bad_request",
+                "fds: only `register` carries file descriptors",
+            ))
         }
     };
     if !matches!(req, Request::Register { .. }) {
@@ -111,7 +117,9 @@ pub async fn handle(
             if version != PROTOCOL_VERSION {
                 return Err(ApiError::new(
                     "version",
-                    format!("version: agent speaks {PROTOCOL_VERSION}, client `{client}` speaks {version}"),
+                    format!(
+                        "version: agent speaks {PROTOCOL_VERSION}, client `{client}` speaks {version}"
+                    ),
                 ));
             }
             Ok(Reply::Welcome {
@@ -200,7 +208,11 @@ pub async fn handle(
             timeout_ms,
             max,
         } => agent
-            .events(&engine_id, Duration::from_millis(timeout_ms.min(60_000)), max)
+            .events(
+                &engine_id,
+                Duration::from_millis(timeout_ms.min(60_000)),
+                max,
+            )
             .await
             .map(|events| Reply::Events { events }),
         Request::RecordPrefill {

@@ -65,11 +65,17 @@ async fn discovery_loop(agent: Arc<Agent>) {
                 tracing::warn!(peer = %name, version = info.version, "peer speaks another agent API version; ignored");
                 continue;
             }
-            if let (Some(pe), Some(theirs)) = (&agent.probe_engine, &info.probe) {
-                if !pe.peers().contains(&theirs.engine_id) {
+            if let (Some(pe), Some(theirs)) = (&agent.probe_engine, &info.probe)
+                && !pe.peers().contains(&theirs.engine_id)
+            {
+                {
                     match pe.connect(theirs.side_channel).await {
-                        Ok(_) => tracing::info!(peer = %name, side_channel = %theirs.side_channel, "probe path connected"),
-                        Err(e) => tracing::warn!(peer = %name, error = %e, "probe path connect failed"),
+                        Ok(_) => {
+                            tracing::info!(peer = %name, side_channel = %theirs.side_channel, "probe path connected")
+                        }
+                        Err(e) => {
+                            tracing::warn!(peer = %name, error = %e, "probe path connect failed")
+                        }
                     }
                 }
             }
@@ -169,7 +175,10 @@ async fn probe_loop(agent: Arc<Agent>) {
                 let blocks: Vec<BlockPair> = (0..n)
                     .map(|i| {
                         let b = ((off + i) % p.num_blocks) as u64;
-                        BlockPair { remote: b, local: b }
+                        BlockPair {
+                            remote: b,
+                            local: b,
+                        }
                     })
                     .collect();
                 let r = pe
@@ -185,7 +194,11 @@ async fn probe_loop(agent: Arc<Agent>) {
                 agent
                     .metrics
                     .probe_reads
-                    .get_or_create(&labels(&[("peer", &peer), ("size", size), ("result", result)]))
+                    .get_or_create(&labels(&[
+                        ("peer", &peer),
+                        ("size", size),
+                        ("result", result),
+                    ]))
                     .inc();
                 match r {
                     Ok(o) => agent.record_own_read(&peer, &o, SampleSource::ActiveProbe),
@@ -223,7 +236,12 @@ pub fn expected_bandwidth(agent: &Agent, peer: &str) -> f64 {
 
 /// Bandwidth alarm rule (pure): fitted bandwidth below `ratio` × expected,
 /// only once the bandwidth is identified by the fit.
-pub fn bandwidth_alarm(fitted_bytes_per_s: f64, identified: bool, expected: f64, ratio: f64) -> bool {
+pub fn bandwidth_alarm(
+    fitted_bytes_per_s: f64,
+    identified: bool,
+    expected: f64,
+    ratio: f64,
+) -> bool {
     identified && fitted_bytes_per_s.is_finite() && fitted_bytes_per_s < ratio * expected
 }
 
@@ -250,14 +268,20 @@ async fn model_loop(agent: Arc<Agent>) {
             agent
                 .metrics
                 .threshold_changes
-                .get_or_create(&labels(&[("prefill", &c.prefill_engine_id), ("decode", &c.decode_engine_id)]))
+                .get_or_create(&labels(&[
+                    ("prefill", &c.prefill_engine_id),
+                    ("decode", &c.decode_engine_id),
+                ]))
                 .inc();
         }
         for t in thresholds {
             agent
                 .metrics
                 .threshold
-                .get_or_create(&labels(&[("prefill", &t.prefill_engine_id), ("decode", &t.decode_engine_id)]))
+                .get_or_create(&labels(&[
+                    ("prefill", &t.prefill_engine_id),
+                    ("decode", &t.decode_engine_id),
+                ]))
                 .set(t.threshold_tokens as i64);
         }
         let names: Vec<String> = agent.peers.read().unwrap().keys().cloned().collect();
@@ -277,7 +301,12 @@ async fn model_loop(agent: Arc<Agent>) {
                 .get_or_create(&l)
                 .set(fit.coefficients.fixed_ms);
             let expected = expected_bandwidth(&agent, &peer);
-            let alarm = bandwidth_alarm(bw, fit.summary.identified[1], expected, agent.cfg.probe.alarm_ratio);
+            let alarm = bandwidth_alarm(
+                bw,
+                fit.summary.identified[1],
+                expected,
+                agent.cfg.probe.alarm_ratio,
+            );
             let was = agent
                 .peers
                 .write()
@@ -382,7 +411,10 @@ async fn push_one(agent: &Agent, r: &crate::config::RouterTarget, u: &ThresholdU
         agent
             .metrics
             .pushes
-            .get_or_create(&labels(&[("router", &r.url), ("result", if ok { "ok" } else { "error" })]))
+            .get_or_create(&labels(&[
+                ("router", &r.url),
+                ("result", if ok { "ok" } else { "error" }),
+            ]))
             .inc();
         if ok {
             return;
@@ -402,7 +434,8 @@ async fn lease_loop(agent: Arc<Agent>) {
     }
 }
 
-/// Feeds kernel-timed READs of this process (eBPF probes loaded) to the cost
+/// Feeds kernel-timed READs of this process (eBPF probes loaded) and
+/// kernel-timed prefills on the configured `prefill_ports` to the cost
 /// model; in fallback mode the agent records its own user-space timings.
 async fn ebpf_drain_loop(agent: Arc<Agent>) {
     if agent.probes.source() != kvloop_probes::Source::Ebpf {
@@ -413,6 +446,27 @@ async fn ebpf_drain_loop(agent: Arc<Agent>) {
     loop {
         tick.tick().await;
         let snap = agent.probes.snapshot();
+        for p in snap.prefills {
+            let Some(engine) = agent.cfg.prefill_ports.iter().find(|x| x.port == p.port) else {
+                continue;
+            };
+            let Ok(tokens) = p.tokens else { continue };
+            if p.latency_ns == 0 || tokens.reused_tokens >= tokens.prompt_tokens {
+                continue;
+            }
+            let s = kvloop_costmodel::PrefillSample {
+                at: agent.now(),
+                prompt_tokens: tokens.prompt_tokens,
+                reused_tokens: tokens.reused_tokens,
+                latency: Duration::from_nanos(p.latency_ns),
+                source: SampleSource::Ebpf,
+            };
+            let _ = agent
+                .model
+                .lock()
+                .unwrap()
+                .record_prefill(&engine.engine_id, s);
+        }
         for x in snap.xfers {
             if x.tgid != pid
                 || x.status != 0
@@ -423,7 +477,9 @@ async fn ebpf_drain_loop(agent: Arc<Agent>) {
             {
                 continue;
             }
-            let Some(peer) = agent.peer_of_engine(&x.peer) else { continue };
+            let Some(peer) = agent.peer_of_engine(&x.peer) else {
+                continue;
+            };
             let s = TransferSample {
                 at: agent.now(),
                 bytes: x.bytes,

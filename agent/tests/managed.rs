@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::{AgentProc, free_port};
 use kvloop_agent::client::{AgentClient, ClientError};
-use kvloop_agent::proto::{EngineEvent, ReadDirection};
 use kvloop_agent::lease::ReleaseReason;
+use kvloop_agent::proto::{EngineEvent, ReadDirection};
 use kvloop_cli::pattern;
 use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
 
@@ -30,7 +30,8 @@ fn regions(tag: u64) -> Vec<HostRegion> {
     let l = layout();
     (0..l.num_regions as u64)
         .map(|r| {
-            let reg = HostRegion::new(&format!("test{tag}-{r}"), l.region_len_bytes() as usize).unwrap();
+            let reg =
+                HostRegion::new(&format!("test{tag}-{r}"), l.region_len_bytes() as usize).unwrap();
             let mut buf = vec![0u8; BLOCK as usize];
             for b in 0..l.num_blocks as u64 {
                 pattern::fill(tag, r, b, &mut buf);
@@ -49,7 +50,13 @@ fn block_holds(regs: &[HostRegion], local: u64, tag: u64, remote: u64) -> bool {
     })
 }
 
-fn config(dir: &std::path::Path, name: &str, http: u16, peer: &str, peer_http: u16) -> std::path::PathBuf {
+fn config(
+    dir: &std::path::Path,
+    name: &str,
+    http: u16,
+    peer: &str,
+    peer_http: u16,
+) -> std::path::PathBuf {
     let sock = dir.join(format!("{name}.sock"));
     let text = format!(
         r#"
@@ -92,10 +99,18 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     let d_mem = regions(2);
     let pa = AgentClient::connect(&a.socket, "test-p0").await.unwrap();
     let db = AgentClient::connect(&b.socket, "test-d0").await.unwrap();
-    let d_events = AgentClient::connect(&b.socket, "test-d0-events").await.unwrap();
+    let d_events = AgentClient::connect(&b.socket, "test-d0-events")
+        .await
+        .unwrap();
     assert_eq!(pa.agent_id(), "node-a");
-    let _p_sc = pa.register_memfd("p0", layout(), &p_mem, None).await.unwrap();
-    let d_sc = db.register_memfd("d0", layout(), &d_mem, None).await.unwrap();
+    let _p_sc = pa
+        .register_memfd("p0", layout(), &p_mem, None)
+        .await
+        .unwrap();
+    let d_sc = db
+        .register_memfd("d0", layout(), &d_mem, None)
+        .await
+        .unwrap();
     assert_eq!(pa.connect_remote("p0", d_sc).await.unwrap(), "d0");
 
     // Bad input names the field and the agent keeps serving.
@@ -108,7 +123,9 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     assert!(e.to_string().contains("layout.num_regions"), "{e}");
 
     // D retains blocks 3 and 4 of its request under a TTL.
-    db.retain("d0", "req-d", vec![3, 4], Some(60_000)).await.unwrap();
+    db.retain("d0", "req-d", vec![3, 4], Some(60_000))
+        .await
+        .unwrap();
     // P's agent learns where d0 lives from B's /v1/engines (discovery, 1 s period).
     let mut renewed = None;
     for _ in 0..100 {
@@ -128,7 +145,16 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         .read(
             "p0",
             "d0",
-            vec![BlockPair { remote: 3, local: 0 }, BlockPair { remote: 4, local: 1 }],
+            vec![
+                BlockPair {
+                    remote: 3,
+                    local: 0,
+                },
+                BlockPair {
+                    remote: 4,
+                    local: 1,
+                },
+            ],
             ReadDirection::D2p,
             Some(("req-d", 1)),
             true,
@@ -138,9 +164,18 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         .unwrap();
     assert_eq!(done.bytes, 2 * 2 * BLOCK);
     assert_eq!(done.descriptors, 4);
-    assert!(block_holds(&p_mem, 0, 2, 3), "block 0 of p0 holds d0's block 3");
-    assert!(block_holds(&p_mem, 1, 2, 4), "block 1 of p0 holds d0's block 4");
-    assert!(block_holds(&p_mem, 2, 1, 2), "untouched blocks keep their contents");
+    assert!(
+        block_holds(&p_mem, 0, 2, 3),
+        "block 0 of p0 holds d0's block 3"
+    );
+    assert!(
+        block_holds(&p_mem, 1, 2, 4),
+        "block 1 of p0 holds d0's block 4"
+    );
+    assert!(
+        block_holds(&p_mem, 2, 1, 2),
+        "untouched blocks keep their contents"
+    );
 
     // D gets the notification and the release of its blocks.
     let mut got_notif = false;
@@ -148,8 +183,15 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     for _ in 0..50 {
         for ev in d_events.events("d0", 200).await.unwrap() {
             match ev {
-                EngineEvent::Notification { owner_request_id, count, from_engine_id } => {
-                    assert_eq!((owner_request_id.as_str(), count, from_engine_id.as_str()), ("req-d", 1, "p0"));
+                EngineEvent::Notification {
+                    owner_request_id,
+                    count,
+                    from_engine_id,
+                } => {
+                    assert_eq!(
+                        (owner_request_id.as_str(), count, from_engine_id.as_str()),
+                        ("req-d", 1, "p0")
+                    );
                     got_notif = true;
                 }
                 EngineEvent::Released(r) => released = Some(r),
@@ -161,14 +203,26 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     }
     assert!(got_notif, "owner notification reached d0");
     let r = released.expect("d0's blocks released after the notification");
-    assert_eq!((r.reason, r.block_ids), (ReleaseReason::Notified, vec![3, 4]));
+    assert_eq!(
+        (r.reason, r.block_ids),
+        (ReleaseReason::Notified, vec![3, 4])
+    );
 
     // P→D: D reads P's fresh blocks 5,6 into its blocks 10,11.
     let done = db
         .read(
             "d0",
             "p0",
-            vec![BlockPair { remote: 5, local: 10 }, BlockPair { remote: 6, local: 11 }],
+            vec![
+                BlockPair {
+                    remote: 5,
+                    local: 10,
+                },
+                BlockPair {
+                    remote: 6,
+                    local: 11,
+                },
+            ],
             ReadDirection::P2d,
             None,
             false,
@@ -181,7 +235,9 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     assert!(block_holds(&d_mem, 11, 1, 6));
 
     // A lease that expires within the safety margin (2 s): the READ is declined.
-    db.retain("d0", "req-short", vec![7], Some(1_500)).await.unwrap();
+    db.retain("d0", "req-short", vec![7], Some(1_500))
+        .await
+        .unwrap();
     let before = {
         let mut b = vec![0u8; BLOCK as usize];
         p_mem[0].read_at((8 * BLOCK) as usize, &mut b);
@@ -191,7 +247,10 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         .read(
             "p0",
             "d0",
-            vec![BlockPair { remote: 7, local: 8 }],
+            vec![BlockPair {
+                remote: 7,
+                local: 8,
+            }],
             ReadDirection::D2p,
             Some(("req-short", 1)),
             true,
@@ -205,7 +264,10 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     }
     let mut after = vec![0u8; BLOCK as usize];
     p_mem[0].read_at((8 * BLOCK) as usize, &mut after);
-    assert_eq!(before, after, "a declined READ does not touch the destination");
+    assert_eq!(
+        before, after,
+        "a declined READ does not touch the destination"
+    );
     // ... and it expires, telling the owner.
     let mut expired = false;
     for _ in 0..30 {
@@ -219,14 +281,27 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     assert!(expired, "the short lease expired and d0 was told");
 
     // Metrics and health over HTTP.
-    let m = reqwest::get(format!("http://{}/metrics", a.http)).await.unwrap().text().await.unwrap();
-    assert!(m.contains("kvloop_agent_reads_total{direction=\"d2p\",result=\"ok\"} 1"), "{m}");
+    let m = reqwest::get(format!("http://{}/metrics", a.http))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("kvloop_agent_reads_total{direction=\"d2p\",result=\"ok\"} 1"),
+        "{m}"
+    );
     assert!(m.contains("kvloop_agent_engines 1"), "{m}");
-    let h = reqwest::get(format!("http://{}/healthz", a.http)).await.unwrap();
+    let h = reqwest::get(format!("http://{}/healthz", a.http))
+        .await
+        .unwrap();
     assert!(h.status().is_success());
 
     drop((pa, db, d_events));
     assert!(a.stop(), "agent A exits cleanly on SIGTERM");
     assert!(b.stop(), "agent B exits cleanly on SIGTERM");
-    assert!(!dir.path().join("node-a.sock").exists(), "socket removed at shutdown");
+    assert!(
+        !dir.path().join("node-a.sock").exists(),
+        "socket removed at shutdown"
+    );
 }

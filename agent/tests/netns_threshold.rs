@@ -38,8 +38,14 @@ fn get_in_ns(ns: &str, addr: &str, path: &str, token: Option<&str>) -> Option<(u
         nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).ok()?;
         let mut s = TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(2)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n").ok()?;
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
+        )
+        .ok()?;
         let mut raw = Vec::new();
         s.read_to_end(&mut raw).ok()?;
         let text = String::from_utf8_lossy(&raw).to_string();
@@ -65,7 +71,14 @@ fn router_threshold(ns: &str, router: &str) -> Option<u64> {
     })
 }
 
-fn agent_config(dir: &Path, name: &str, addr: &str, peer: &str, peer_addr: &str, router: Option<&str>) -> std::path::PathBuf {
+fn agent_config(
+    dir: &Path,
+    name: &str,
+    addr: &str,
+    peer: &str,
+    peer_addr: &str,
+    router: Option<&str>,
+) -> std::path::PathBuf {
     let sock = dir.join(format!("{name}.sock"));
     let mut t = format!(
         r#"
@@ -191,17 +204,20 @@ async fn settle(
             client.record_prefill("p0", p, r, us).await.unwrap();
         }
         let th = router_threshold(ns, router);
-        if let (Some(f), Some(t), None) = (from, th, first_rise) {
-            if t as f64 >= 1.3 * f as f64 {
-                first_rise = Some(t0.elapsed().as_secs_f64());
-            }
+        if let (Some(f), Some(t), None) = (from, th, first_rise)
+            && t as f64 >= 1.3 * f as f64
+        {
+            first_rise = Some(t0.elapsed().as_secs_f64());
         }
         match (last, th) {
             (Some(a), Some(b)) if (a as f64 - b as f64).abs() <= 0.05 * a as f64 => {}
             _ => stable_since = Instant::now(),
         }
         last = th;
-        if th.is_some() && stable_since.elapsed() >= Duration::from_secs(4) && (from.is_none() || first_rise.is_some()) {
+        if th.is_some()
+            && stable_since.elapsed() >= Duration::from_secs(4)
+            && (from.is_none() || first_rise.is_some())
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -226,11 +242,21 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
     let wrap_b = ["ip", "netns", "exec", pair.ns_b.as_str()];
     let mut agent_a = AgentProc::start(&wrap_a, &ca, &dir.path().join("node-a.sock"));
     let mut agent_b = AgentProc::start(&wrap_b, &cb, &dir.path().join("node-b.sock"));
-    let client = AgentClient::connect(&agent_a.socket, "e2e-p0").await.unwrap();
+    let client = AgentClient::connect(&agent_a.socket, "e2e-p0")
+        .await
+        .unwrap();
 
     let mut round = 0;
     let mut table: Vec<(String, Option<u64>, Option<f64>)> = Vec::new();
-    let (t1, _) = settle(&client, &pair.ns_a, &router_addr, &mut round, None, Duration::from_secs(40)).await;
+    let (t1, _) = settle(
+        &client,
+        &pair.ns_a,
+        &router_addr,
+        &mut round,
+        None,
+        Duration::from_secs(40),
+    )
+    .await;
     let t1 = t1.expect("a threshold pushed to the router within 40 s at 1gbit");
     table.push(("1gbit".into(), Some(t1), None));
 
@@ -243,11 +269,11 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
         for (p, r, us) in prefill_samples(round) {
             client.record_prefill("p0", p, r, us).await.unwrap();
         }
-        if let Some(t) = router_threshold(&pair.ns_a, &router_addr) {
-            if t as f64 >= 1.3 * t1 as f64 {
-                rose_after = Some(lowered.elapsed().as_secs_f64());
-                break;
-            }
+        if let Some(t) = router_threshold(&pair.ns_a, &router_addr)
+            && t as f64 >= 1.3 * t1 as f64
+        {
+            rose_after = Some(lowered.elapsed().as_secs_f64());
+            break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -256,28 +282,62 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
     let rose_after = rose_after.unwrap_or_else(|| {
         panic!("threshold pushed to the router did not rise ≥ 1.3 × {t1} within 10 s of tbf 1gbit → 300mbit")
     });
-    let (t2, _) = settle(&client, &pair.ns_a, &router_addr, &mut round, None, Duration::from_secs(20)).await;
+    let (t2, _) = settle(
+        &client,
+        &pair.ns_a,
+        &router_addr,
+        &mut round,
+        None,
+        Duration::from_secs(20),
+    )
+    .await;
     table.push(("300mbit".into(), t2, Some(rose_after)));
 
     pair.limit_rate_b("150mbit").unwrap();
-    let (t3, rise3) = settle(&client, &pair.ns_a, &router_addr, &mut round, t2, Duration::from_secs(25)).await;
+    let (t3, rise3) = settle(
+        &client,
+        &pair.ns_a,
+        &router_addr,
+        &mut round,
+        t2,
+        Duration::from_secs(25),
+    )
+    .await;
     table.push(("150mbit".into(), t3, rise3));
 
     // kvloop explain through the CLI, from node A.
     let out = NodePair::command_in(&pair.ns_a, &workspace_bin("kvloop"))
-        .args(["explain", "--pair", "p0,d0", "--agent", &format!("{a}:9470")])
+        .args([
+            "explain",
+            "--pair",
+            "p0,d0",
+            "--agent",
+            &format!("{a}:9470"),
+        ])
         .output()
         .unwrap();
     let explain = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "kvloop explain: {}", String::from_utf8_lossy(&out.stderr));
-    assert!(explain.contains("threshold:") && explain.contains("transfer:"), "{explain}");
+    assert!(
+        out.status.success(),
+        "kvloop explain: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        explain.contains("threshold:") && explain.contains("transfer:"),
+        "{explain}"
+    );
 
     // The bandwidth alarm metric exists for the path (veth says 10 Gbit/s).
     let (_, metrics) = get_in_ns(&pair.ns_a, &format!("{a}:9470"), "/metrics", None).unwrap();
-    assert!(metrics.contains("kvloop_agent_path_bandwidth_alarm{peer=\"node-b\"}"), "{metrics}");
+    assert!(
+        metrics.contains("kvloop_agent_path_bandwidth_alarm{peer=\"node-b\"}"),
+        "{metrics}"
+    );
     assert!(metrics.contains("kvloop_agent_pushes_total"), "{metrics}");
 
-    eprintln!("\n| link rate (tbf on B egress) | threshold pushed (tokens) | rise seen after (s) |");
+    eprintln!(
+        "\n| link rate (tbf on B egress) | threshold pushed (tokens) | rise seen after (s) |"
+    );
     eprintln!("|---|---|---|");
     for (rate, t, s) in &table {
         eprintln!(
@@ -286,8 +346,34 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
             s.map_or("-".into(), |s| format!("{s:.1}"))
         );
     }
-    let bw_line: Vec<&str> = metrics.lines().filter(|l| l.starts_with("kvloop_agent_path_")).collect();
+    let bw_line: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvloop_agent_path_"))
+        .collect();
     eprintln!("{}", bw_line.join("\n"));
-    assert!(t2.is_some_and(|t2| t2 > t1), "threshold rose from {t1}: {table:?}");
+    assert!(
+        t2.is_some_and(|t2| t2 > t1),
+        "threshold rose from {t1}: {table:?}"
+    );
+
+    // The link under the path goes down: the path is invalidated at once and
+    // the router gets "recompute" (the cost model's max_threshold_tokens).
+    let down = Instant::now();
+    let st = std::process::Command::new("ip")
+        .args(["-n", &pair.ns_b, "link", "set", &pair.dev_b, "down"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut invalidated_after = None;
+    while down.elapsed() < Duration::from_secs(10) {
+        if router_threshold(&pair.ns_a, &router_addr) == Some(131_072) {
+            invalidated_after = Some(down.elapsed().as_secs_f64());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let invalidated_after =
+        invalidated_after.expect("link down: router holds the recompute threshold within 10 s");
+    eprintln!("link down -> router threshold 131072 after {invalidated_after:.2} s");
     assert!(agent_a.stop() && agent_b.stop(), "agents stop cleanly");
 }

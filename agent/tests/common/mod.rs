@@ -19,7 +19,10 @@ pub fn have_root(test: &str) -> bool {
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    assert!(!in_ci(), "{test}: needs root and CI=true: failing instead of skipping");
+    assert!(
+        !in_ci(),
+        "{test}: needs root and CI=true: failing instead of skipping"
+    );
     eprintln!("SKIPPED {test}: needs root (network namespaces, tc)");
     false
 }
@@ -39,7 +42,11 @@ pub fn workspace_bin(name: &str) -> PathBuf {
 
 /// A free TCP port on `ip` (bound then released).
 pub fn free_port(ip: &str) -> u16 {
-    std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A running agent process.
@@ -66,7 +73,10 @@ impl AgentProc {
         };
         cmd.arg("--config").arg(config);
         if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "warn,kvloop_agent=info,netlink_packet_route=error");
+            cmd.env(
+                "RUST_LOG",
+                "warn,kvloop_agent=info,netlink_packet_route=error",
+            );
         }
         let mut child = cmd
             .stdout(Stdio::piped())
