@@ -39,6 +39,7 @@ AGENT_STRUCTS = {
     "lease": ("agent/src/lease.rs", "LeaseConfig"),
     "probe": ("agent/src/config.rs", "ProbeConfig"),
     "network": ("agent/src/config.rs", "NetworkConfig"),
+    "prefill_ports[]": ("agent/src/config.rs", "PrefillPort"),
     "peers[]": ("agent/src/config.rs", "PeerConfig"),
     "routers[]": ("agent/src/config.rs", "RouterTarget"),
     "pairs[]": ("agent/src/config.rs", "PairConfig"),
@@ -55,6 +56,9 @@ side_channel_host = "127.0.0.1"
 side_channel_port = 1
 """
 AGENT_ENTRIES = """
+[[prefill_ports]]
+engine_id = "p0"
+port = 8100
 [[peers]]
 name = "b"
 http = "127.0.0.1:1"

@@ -41,9 +41,6 @@ KNOWN_GAPS = {
     "kvloop_agent_path_valid": "kvloop-agent sets kvloop_agent_path_valid only on a link "
                                "change (netstate.rs), never at start: no series while all "
                                "links stay up",
-    "kvloop_prefill_latency_seconds": "kvloop-agent loads its probes with prefill: false "
-                                      "(agent/src/main.rs) and has no prefill-port setting, so "
-                                      "the prefill socket probe never runs",
 }
 # Queries whose data comes from the agents (the router's threshold pushes too:
 # only agents push).
@@ -198,8 +195,12 @@ def stack():
             agent_bin = kvloop_bin("kvloop-agent")
             ports = {"a": free_port(), "b": free_port()}
             for me, other in (("a", "b"), ("b", "a")):
+                # Agent a is the prefill node: its pair's threshold, and the
+                # prefill socket probe on the prefill engine-sim's port.
+                p_port = sims["p0"][1].rsplit(":", 1)[1]
                 pair = (f'[[pairs]]\nprefill_engine_id = "p0"\ndecode_engine_id = "d0"\n'
-                        f'decode_peer = "{other}"\nbytes_per_token = 4096\n') if me == "a" else ""
+                        f'decode_peer = "{other}"\nbytes_per_token = 4096\n'
+                        f'[[prefill_ports]]\nengine_id = "p0"\nport = {p_port}\n') if me == "a" else ""
                 (tmp / f"agent-{me}.toml").write_text(
                     f'agent_id = "{me}"\nnode_addr = "127.0.0.1"\n'
                     f'http_listen = "127.0.0.1:{ports[me]}"\n'
@@ -209,13 +210,15 @@ def stack():
                     f'[[peers]]\nname = "{other}"\nhttp = "127.0.0.1:{ports[other]}"\n'
                     f'[[routers]]\nurl = "http://{router}"\ntoken = "t0ken"\n' + pair)
             try:
-                # Under exactly the DaemonSet's capabilities (as root: see
-                # test_capabilities.py); without root, plain (user-space timing).
-                from test_capabilities import daemonset_caps, setpriv_args
-                prefix = setpriv_args(daemonset_caps()) if os.geteuid() == 0 else []
+                # Under exactly the DaemonSet's capabilities and read-only host
+                # paths (as root: see test_capabilities.py); without root,
+                # plain (user-space timing).
+                from test_capabilities import as_in_the_daemonset, daemonset_caps
                 for me in ("a", "b"):
-                    procs.start(f"agent-{me}",
-                                prefix + [str(agent_bin), "--config", str(tmp / f"agent-{me}.toml")],
+                    argv = [str(agent_bin), "--config", str(tmp / f"agent-{me}.toml")]
+                    if os.geteuid() == 0:
+                        argv = as_in_the_daemonset(daemonset_caps(), argv)
+                    procs.start(f"agent-{me}", argv,
                                 env={"RUST_LOG": "info,netlink_packet_route=error"}, ready="READY")
                 targets["agent"] = [f"127.0.0.1:{ports['a']}", f"127.0.0.1:{ports['b']}"]
             except AssertionError as e:
