@@ -120,6 +120,36 @@ pub struct TraceFilter {
 }
 
 impl TraceFilter {
+    /// Builds a filter from command-line values (`kvloop trace --peer P
+    /// --direction d2p --min-latency-us 100`): `direction` is one of `d2p`,
+    /// `p2d`, `probe`, `unknown`; `min_latency_us` in µs.
+    ///
+    /// Errors: [`crate::ProbeError::Invalid`] naming `direction`.
+    pub fn from_cli(
+        peer: Option<String>,
+        direction: Option<&str>,
+        min_latency_us: Option<u64>,
+    ) -> Result<Self, crate::ProbeError> {
+        let direction = match direction {
+            None => None,
+            Some("d2p") => Some(Direction::DecodeToPrefill),
+            Some("p2d") => Some(Direction::PrefillToDecode),
+            Some("probe") => Some(Direction::Probe),
+            Some("unknown") => Some(Direction::Unknown),
+            Some(other) => {
+                return Err(crate::ProbeError::Invalid {
+                    field: "direction",
+                    message: format!("`{other}`: expected d2p, p2d, probe or unknown"),
+                });
+            }
+        };
+        Ok(Self {
+            peer,
+            direction,
+            min_latency: min_latency_us.map(Duration::from_micros),
+        })
+    }
+
     /// Whether `ev` passes the filter.
     pub fn matches(&self, ev: &Event) -> bool {
         if let Some(d) = self.direction {
@@ -247,6 +277,19 @@ mod tests {
         };
         assert!(by_ip.matches(&r));
         assert!(!f.matches(&r));
+    }
+
+    #[test]
+    fn filter_from_cli() {
+        let f = TraceFilter::from_cli(Some("d0".into()), Some("d2p"), Some(100)).unwrap();
+        assert_eq!(f.direction, Some(Direction::DecodeToPrefill));
+        assert_eq!(f.min_latency, Some(Duration::from_micros(100)));
+        let e = TraceFilter::from_cli(None, Some("up"), None).unwrap_err();
+        assert!(e.to_string().contains("direction"), "{e}");
+        assert_eq!(
+            TraceFilter::from_cli(None, None, None).unwrap(),
+            TraceFilter::default()
+        );
     }
 
     #[test]
