@@ -230,7 +230,7 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
     if !have_root("lowering_the_link_rate_raises_the_pushed_threshold") {
         return;
     }
-    let pair = NodePair::create(61).expect("network namespaces");
+    let pair = NodePair::create(9000 + std::process::id() % 900).expect("network namespaces");
     pair.limit_rate_b("1gbit").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (pair.addr_a.to_string(), pair.addr_b.to_string());
