@@ -305,3 +305,53 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         "socket removed at shutdown"
     );
 }
+
+/// A client of another uid is refused by the `SO_PEERCRED` check even when
+/// the socket's file mode would let it connect (root needed to switch uid).
+#[test]
+fn another_uid_is_refused() {
+    if !common::have_root("another_uid_is_refused") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (h, ph) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
+    let cfg = config(dir.path(), "node-u", h, "node-v", ph);
+    let sock = dir.path().join("node-u.sock");
+    let mut a = AgentProc::start(&[], &cfg, &sock);
+    use std::os::unix::fs::PermissionsExt;
+    // Open the file mode and the directory so that only SO_PEERCRED stands in the way.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let script = r#"
+import json, socket, struct, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+body = json.dumps({"op": "status"}).encode()
+try:
+    s.sendall(struct.pack("<I", len(body)) + body)
+except OSError:
+    pass
+head = s.recv(4)
+n = struct.unpack("<I", head)[0]
+data = b""
+while len(data) < n:
+    data += s.recv(n - len(data))
+print(data.decode())
+"#;
+    use std::os::unix::process::CommandExt;
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&sock)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("python3 (the test's foreign-uid client)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("forbidden") && text.contains("65534"),
+        "stdout: {text} stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(a.stop());
+}
