@@ -65,6 +65,7 @@ node_addr = "127.0.0.1"
 http_listen = "127.0.0.1:{http}"
 socket_path = "{}"
 backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
+push_period_ms = 300
 [lease]
 safety_margin_ms = 2000
 [probe]
@@ -73,6 +74,16 @@ large_blocks = 4
 [[peers]]
 name = "{peer}"
 http = "127.0.0.1:{peer_http}"
+# A router that is down (nothing listens on port 1): pushes fail and are
+# retried in their own task; nothing else waits for them.
+[[routers]]
+url = "http://127.0.0.1:1"
+token = "t"
+[[pairs]]
+prefill_engine_id = "p0"
+decode_engine_id = "d0"
+decode_peer = "{peer}"
+bytes_per_token = 1024
 "#,
         sock.display()
     );
@@ -292,6 +303,10 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         "{m}"
     );
     assert!(m.contains("kvloop_agent_engines 1"), "{m}");
+    assert!(
+        m.contains("kvloop_agent_pushes_total{router=\"http://127.0.0.1:1\",result=\"error\"}"),
+        "pushes to the router that is down were attempted and failed: {m}"
+    );
     let h = reqwest::get(format!("http://{}/healthz", a.http))
         .await
         .unwrap();
