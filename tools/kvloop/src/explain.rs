@@ -46,9 +46,13 @@ fn get(addr: &str, path: &str) -> Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(3))
         .with_context(|| format!("connecting to the agent at {sa}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).context("reading the agent's answer")?;
+    s.read_to_end(&mut raw)
+        .context("reading the agent's answer")?;
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text
         .split_once("\r\n\r\n")
@@ -67,7 +71,10 @@ fn get(addr: &str, path: &str) -> Result<(u16, String)> {
 /// The agent is unreachable, or refuses the pair (the message says why).
 pub fn run(a: ExplainArgs) -> Result<()> {
     if a.pair.split(',').filter(|s| !s.trim().is_empty()).count() != 2 {
-        bail!("--pair `{}`: expected `<prefill engine id>,<decode engine id>`", a.pair);
+        bail!(
+            "--pair `{}`: expected `<prefill engine id>,<decode engine id>`",
+            a.pair
+        );
     }
     let (status, body) = get(&a.agent, &format!("/v1/explain?pair={}", encode(&a.pair)))?;
     let v: serde_json::Value = serde_json::from_str(&body)
