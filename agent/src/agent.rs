@@ -72,6 +72,7 @@ pub struct PeerState {
 
 struct Hosted {
     engine: TransferEngine,
+    generation: u64,
     _notif: AbortOnDrop,
 }
 
@@ -116,6 +117,7 @@ pub struct Agent {
     pub push_seq: AtomicU64,
     /// Wakes the push task at once (a path was invalidated).
     pub push_now: Notify,
+    next_generation: AtomicU64,
 }
 
 impl Agent {
@@ -194,6 +196,7 @@ impl Agent {
             http,
             push_seq: AtomicU64::new(1),
             push_now: Notify::new(),
+            next_generation: AtomicU64::new(1),
         }))
     }
 
@@ -263,6 +266,8 @@ impl Agent {
     }
 
     /// Registers an engine: maps its memfds and starts its transfer engine.
+    /// Returns its side channel, backend name and registration generation
+    /// (for [`Agent::unregister_generation`]).
     ///
     /// # Errors
     /// `bad_request` naming the field (fd count, lengths, layout); `dataplane`.
@@ -273,7 +278,7 @@ impl Agent {
         regions: RegionSource,
         side_channel_port: Option<u16>,
         fds: Vec<OwnedFd>,
-    ) -> Result<(SocketAddr, String), ApiError> {
+    ) -> Result<(SocketAddr, String, u64), ApiError> {
         if engine_id.starts_with(PROBE_ENGINE_PREFIX) {
             return Err(ApiError::new(
                 "bad_request",
@@ -363,10 +368,14 @@ impl Agent {
                 agent.update_lease_gauge();
             }
         });
+        let generation = self
+            .next_generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.engines.write().unwrap().insert(
             engine_id.clone(),
             Hosted {
                 engine,
+                generation,
                 _notif: AbortOnDrop(task),
             },
         );
@@ -379,7 +388,7 @@ impl Agent {
             .engines
             .set(self.engines.read().unwrap().len() as i64);
         tracing::info!(%engine_id, side_channel = %addr, %backend, "engine registered");
-        Ok((addr, backend))
+        Ok((addr, backend, generation))
     }
 
     /// Unregisters an engine; `true` if it was registered.
@@ -393,6 +402,19 @@ impl Agent {
             tracing::info!(%engine_id, "engine unregistered");
         }
         gone
+    }
+
+    /// Unregisters `engine_id` only if it is still the registration of
+    /// `generation` (the registering connection closed; a newer registration
+    /// of the same id stays).
+    pub fn unregister_generation(&self, engine_id: &str, generation: u64) -> bool {
+        let same = self
+            .engines
+            .read()
+            .unwrap()
+            .get(engine_id)
+            .is_some_and(|h| h.generation == generation);
+        same && self.unregister(engine_id)
     }
 
     /// Connects a hosted engine to a remote engine.

@@ -114,6 +114,7 @@ impl AgentClient {
     /// Registers host KV memory: one memfd-backed [`HostRegion`] per layout
     /// region (their fds are passed with `SCM_RIGHTS`; the engine keeps its
     /// own mapping). Returns the engine's side-channel address on the node.
+    /// The registration lasts while this client (its connection) lives.
     ///
     /// # Errors
     /// `bad_request` (region count/length vs layout), `dataplane`.

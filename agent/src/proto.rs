@@ -91,6 +91,9 @@ pub enum Request {
     /// Registers an engine's KV memory and layout; the agent starts a
     /// transfer engine for it (side channel on the agent's node address) and
     /// serves remote READs of its blocks. Re-registering an id replaces it.
+    /// The registration lasts as long as the connection that made it: when
+    /// that connection closes (the engine exited), the engine is
+    /// unregistered and its memory no longer served.
     Register {
         /// Engine id, unique in the cluster (vLLM's `engine_id`).
         engine_id: String,

@@ -76,16 +76,53 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
     }
 }
 
+/// Serves one connection. Engines registered on it are unregistered when it
+/// closes (the engine process is gone: its memory must not be served any
+/// more), unless registered again since.
 async fn conn(agent: Arc<Agent>, sock: UnixStream) -> std::io::Result<()> {
-    while let Some((body, fds)) = read_frame(&sock).await? {
+    let mut registered: Vec<(String, u64)> = Vec::new();
+    let r = serve_conn(&agent, &sock, &mut registered).await;
+    for (id, generation) in registered {
+        if agent.unregister_generation(&id, generation) {
+            tracing::info!(engine_id = %id, "registering connection closed: engine unregistered");
+        }
+    }
+    r
+}
+
+async fn serve_conn(
+    agent: &Arc<Agent>,
+    sock: &UnixStream,
+    registered: &mut Vec<(String, u64)>,
+) -> std::io::Result<()> {
+    while let Some((body, fds)) = read_frame(sock).await? {
         let resp = match serde_json::from_slice::<Request>(&body) {
-            Ok(req) => match handle(&agent, req, fds).await {
+            Ok(Request::Register {
+                engine_id,
+                layout,
+                regions,
+                side_channel_port,
+            }) => match agent
+                .register(engine_id.clone(), layout, regions, side_channel_port, fds)
+                .await
+            {
+                Ok((side_channel, backend, generation)) => {
+                    registered.push((engine_id.clone(), generation));
+                    Response::Ok(Reply::Registered {
+                        engine_id,
+                        side_channel,
+                        backend,
+                    })
+                }
+                Err(e) => Response::Err(e),
+            },
+            Ok(req) => match handle(agent, req, fds).await {
                 Ok(r) => Response::Ok(r),
                 Err(e) => Response::Err(e),
             },
             Err(e) => Response::Err(ApiError::new("bad_request", format!("request: {e}"))),
         };
-        send_json(&sock, &resp, &[]).await?;
+        send_json(sock, &resp, &[]).await?;
     }
     Ok(())
 }
@@ -133,7 +170,7 @@ pub async fn handle(
             regions,
             side_channel_port,
         } => {
-            let (side_channel, backend) = agent
+            let (side_channel, backend, _) = agent
                 .register(engine_id.clone(), layout, regions, side_channel_port, fds)
                 .await?;
             Ok(Reply::Registered {

@@ -312,7 +312,25 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         .unwrap();
     assert!(h.status().is_success());
 
-    drop((pa, db, d_events));
+    // Closing the registering connection unregisters the engine.
+    drop(pa);
+    let mut gone = false;
+    for _ in 0..50 {
+        let m = reqwest::get(format!("http://{}/metrics", a.http))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.contains("kvloop_agent_engines 0") {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "p0 unregistered when its engine's connection closed");
+
+    drop((db, d_events));
     assert!(a.stop(), "agent A exits cleanly on SIGTERM");
     assert!(b.stop(), "agent B exits cleanly on SIGTERM");
     assert!(
