@@ -115,6 +115,11 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// Posting failures are delivered through `done`, after operations already
     /// posted have completed.
     fn post_read(&self, peer: PeerSlot, segments: &[Segment], done: Completion);
+    /// Waits up to `timeout` for every posted operation to complete, still
+    /// making progress. Returns `false` when operations are still in flight:
+    /// the caller must then not free the registered memory (it leaks it
+    /// rather than let the provider write into unmapped pages).
+    fn quiesce(&self, timeout: std::time::Duration) -> bool;
 }
 
 pub(crate) fn mismatch(

@@ -130,9 +130,10 @@ struct Peer {
 
 struct Inner {
     cfg: EngineConfig,
-    // Field order is drop order: the backend (registrations) goes before the regions.
-    backend: Box<dyn TransferBackend>,
-    regions: Vec<KvRegion>,
+    // Dropped by hand (see `Drop for Inner`): the backend goes before the
+    // regions, and both are leaked if READs into the regions are still in flight.
+    backend: std::mem::ManuallyDrop<Box<dyn TransferBackend>>,
+    regions: std::mem::ManuallyDrop<Vec<KvRegion>>,
     local_addr: SocketAddr,
     peers: RwLock<HashMap<String, Peer>>,
     notif_tx: broadcast::Sender<Notification>,
@@ -239,8 +240,8 @@ impl TransferEngine {
         let (notif_tx, _) = broadcast::channel(4096);
         let inner = Arc::new(Inner {
             cfg,
-            backend,
-            regions,
+            backend: std::mem::ManuallyDrop::new(backend),
+            regions: std::mem::ManuallyDrop::new(regions),
             local_addr,
             peers: RwLock::new(HashMap::new()),
             notif_tx,
@@ -561,6 +562,23 @@ pub fn validate_pairs(local: &KvLayout, remote: &KvLayout, pairs: &[BlockPair]) 
         }
     }
     Ok(())
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // READs still in flight write into `regions`: if the backend cannot
+        // quiesce, leak both rather than unmap memory a provider may still
+        // write (a bounded leak at shutdown beats a crash).
+        if self.backend.quiesce(Duration::from_secs(2)) {
+            // SAFETY: dropped once, here; the backend before the regions it registered.
+            unsafe {
+                std::mem::ManuallyDrop::drop(&mut self.backend);
+                std::mem::ManuallyDrop::drop(&mut self.regions);
+            }
+        } else {
+            tracing::warn!(engine_id = %self.cfg.engine_id, "engine dropped with READs in flight: leaking its KV regions");
+        }
+    }
 }
 
 impl Inner {

@@ -377,6 +377,17 @@ impl TransferBackend for NixlBackend {
         }
     }
 
+    fn quiesce(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.shared.pending.lock().unwrap().is_empty() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
     fn post_read(&self, slot: PeerSlot, segments: &[Segment], done: Completion) {
         let p = &self.plugin;
         let Some((remote_agent, remote_regions)) = self
@@ -447,6 +458,17 @@ impl TransferBackend for NixlBackend {
 
 impl Drop for NixlBackend {
     fn drop(&mut self) {
+        if !self.quiesce(Duration::from_secs(2)) {
+            tracing::warn!(
+                "NIXL backend dropped with transfers in flight: leaking the agent and registrations"
+            );
+            self.shared.stop.store(true, Ordering::Release);
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+            std::mem::forget(self.shared.clone());
+            return;
+        }
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

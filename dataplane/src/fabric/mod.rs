@@ -839,6 +839,18 @@ impl TransferBackend for FabricBackend {
         }
     }
 
+    fn quiesce(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.shared.outstanding.load(Ordering::Acquire) > 0 {
+            if Instant::now() >= deadline || self.thread.is_none() {
+                return false;
+            }
+            self.shared.wake();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
     fn post_read(&self, slot: PeerSlot, segments: &[Segment], done: Completion) {
         let s = &*self.shared;
         let limits = s.ep.limits;
@@ -973,6 +985,28 @@ impl TransferBackend for FabricBackend {
 
 impl Drop for FabricBackend {
     fn drop(&mut self) {
+        // Let in-flight operations finish (bounded) before closing anything:
+        // closing an endpoint or registration under an outstanding READ can
+        // crash inside the provider.
+        if !self.quiesce(Duration::from_secs(2)) {
+            tracing::warn!(
+                outstanding = self.shared.outstanding.load(Ordering::Acquire),
+                "libfabric backend dropped with READs in flight: leaking the endpoint and registrations"
+            );
+            self.shared.stop.store(true, Ordering::Release);
+            if let Some(t) = self.thread.take() {
+                self.shared.wake();
+                let _ = t.join();
+            }
+            for (_, p) in self.shared.pending.lock().unwrap().drain() {
+                if let Some(d) = p.done {
+                    d.complete(Err(DataplaneError::Shutdown));
+                }
+            }
+            // Never close provider objects under in-flight operations.
+            std::mem::forget(self.shared.clone());
+            return;
+        }
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             self.shared.wake();
