@@ -5,6 +5,7 @@ mod demo_dataplane;
 mod explain;
 mod multiturn;
 mod node;
+mod trace;
 
 use kvloop_cli::engine_args;
 
@@ -29,6 +30,8 @@ enum Cmd {
     Demo(DemoCli),
     /// Why a (P, D) pair has its recompute threshold (asks the P node's agent).
     Explain(explain::ExplainArgs),
+    /// Stream READ and prefill events live from the eBPF probes.
+    Trace(trace::TraceArgs),
 }
 
 #[derive(clap::Args)]
@@ -78,6 +81,7 @@ fn main() -> anyhow::Result<()> {
         match cli.cmd {
             Cmd::Node(a) => node::run(a).await,
             Cmd::Explain(a) => tokio::task::spawn_blocking(move || explain::run(a)).await?,
+            Cmd::Trace(a) => trace::run(a).await,
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
             Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(a).await,
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {
