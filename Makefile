@@ -27,17 +27,25 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 build: bootstrap
-	cargo build --release --workspace --bins
+	cargo build --release -p kvloop -p kvloop-agent -p kvloop-router -p kvloop-engine-sim
 
+# Tests need root (network namespaces, eBPF, tc). Binaries are built first:
+# end-to-end tests start them as processes.
 test: bootstrap
 	cargo build --workspace --all-targets
+	CARGO_TARGET_DIR=target/cuda-check cargo check -p kvloop-dataplane --features cuda --tests
 	cargo test --workspace --no-fail-fast -- --test-threads=2
+	deploy/tests/run.sh
 
 demo: build
-	target/release/kvloop demo dataplane
+	target/release/kvloop demo
 
 bench: build
-	target/release/kvloop bench read
+	target/release/kvloop bench read --nixl UCX
+	target/release/kvloop bench read --netns --provider 'tcp;ofi_rxm' --block-sizes 64K,1M,16M
+	cargo bench -p kvloop-probes --bench probe_cost
+	cargo bench -p kvloop-router --bench router_bench
+	cargo run --release -p kvloop-costmodel --example sim_report
 
 lint:
 	cargo fmt --all -- --check

@@ -15,16 +15,21 @@
 #         nixl-sys is built with its `stub-api` feature and dlopens them.
 #   ebpf  nightly rust-src (aya-build compiles core for bpfel) and bpf-linker
 #         0.13.0 built against LLVM 22 (shared/RECIPES.md).
+#   venv  Python packages of the deployment tests (deploy/tests/requirements.txt:
+#         pytest, kubernetes-validate, helm-python-sdk, ...) in target/deploy-venv.
+#
+# The `prometheus` package is for the dashboard test (a real Prometheus on
+# 127.0.0.1); its service is not used.
 set -euo pipefail
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(apt nixl ebpf)
+[ ${#steps[@]} -eq 0 ] && steps=(apt nixl ebpf venv)
 
 log() { printf '[bootstrap] %s\n' "$*" >&2; }
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 
-APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config iproute2 llvm-22-dev libcap2-bin unzip python3-pip)
+APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config iproute2 llvm-22-dev libcap2-bin unzip python3-pip prometheus)
 NIXL_VERSION=1.5.1
 NIXL_DIR="${KVLOOP_NIXL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvloop/nixl-cu12-$NIXL_VERSION}"
 BPF_LINKER_VERSION=0.13.0
@@ -76,11 +81,25 @@ step_ebpf() {
     --no-default-features --features llvm-22
 }
 
+step_venv() {
+  local top; top="$(cd "$(dirname "$0")/.." && pwd)"
+  local v="$top/target/deploy-venv" req="$top/deploy/tests/requirements.txt"
+  if [ -x "$v/bin/pytest" ] && cmp -s "$req" "$v/.requirements"; then
+    log "venv: deploy test packages present"; return
+  fi
+  log "venv: installing deploy test packages into $v"
+  mkdir -p "$top/target"
+  python3 -m venv "$v"
+  "$v/bin/pip" install -q --disable-pip-version-check -r "$req"
+  cp "$req" "$v/.requirements"
+}
+
 for s in "${steps[@]}"; do
   case "$s" in
     apt) step_apt ;;
     nixl) step_nixl ;;
     ebpf) step_ebpf ;;
-    *) echo "bootstrap: unknown step '$s' (expected apt, nixl or ebpf)" >&2; exit 2 ;;
+    venv) step_venv ;;
+    *) echo "bootstrap: unknown step '$s' (expected apt, nixl, ebpf or venv)" >&2; exit 2 ;;
   esac
 done
