@@ -75,6 +75,13 @@ pub struct BenchMultiturnArgs {
     /// Send conversation ids unchanged (default: `<id>@<mode>`).
     #[arg(long)]
     pub raw_ids: bool,
+    /// Ask the server's /tokenize for its prompt-token count before each request.
+    #[arg(long)]
+    pub server_tokenize: bool,
+    /// Prompt count used for buckets: auto (server's when every request has
+    /// one), client, or server.
+    #[arg(long, default_value = "auto")]
+    pub bucket_by: String,
     /// Prompt-length bucket lower edges, tokens.
     #[arg(long, value_delimiter = ',')]
     pub bucket_edges: Vec<u64>,
@@ -91,8 +98,12 @@ pub struct BenchMultiturnArgs {
 
 /// Runs `kvloop bench multiturn`.
 pub async fn run(a: BenchMultiturnArgs) -> Result<()> {
-    let tok = TokenCounter::by_name(&a.tokenizer)
-        .with_context(|| format!("--tokenizer: expected cl100k_base or o200k_base, got {}", a.tokenizer))?;
+    let tok = TokenCounter::by_name(&a.tokenizer).with_context(|| {
+        format!(
+            "--tokenizer: expected cl100k_base or o200k_base, got {}",
+            a.tokenizer
+        )
+    })?;
     let convs = match &a.input {
         Some(path) => match input::read_input_file(path)
             .with_context(|| format!("--input {}", path.display()))?
@@ -135,6 +146,13 @@ pub async fn run(a: BenchMultiturnArgs) -> Result<()> {
     cfg.request_timeout = Duration::from_secs(a.request_timeout_s);
     cfg.max_output_tokens = a.max_output_tokens;
     cfg.tag_ids_with_mode = !a.raw_ids;
+    cfg.server_tokenize = a.server_tokenize;
+    let prompt_count = match a.bucket_by.as_str() {
+        "auto" => report::PromptCount::Auto,
+        "client" => report::PromptCount::Client,
+        "server" => report::PromptCount::Server,
+        other => bail!("--bucket-by: expected auto, client or server, got {other}"),
+    };
     if let Some(extra) = &a.extra_body {
         match serde_json::from_str(extra) {
             Ok(serde_json::Value::Object(o)) => cfg.extra_body = o,
@@ -152,6 +170,7 @@ pub async fn run(a: BenchMultiturnArgs) -> Result<()> {
         };
         report::Report::new(edges, tok.name())
     };
+    rep.prompt_count = prompt_count;
     let requests: usize = convs.iter().map(|c| c.user_turns()).sum();
     eprintln!(
         "mode {}: {} conversations, {} requests to {}",

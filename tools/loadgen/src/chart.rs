@@ -50,7 +50,7 @@ where
                 .records
                 .iter()
                 .filter(|x| x.error.is_none())
-                .filter_map(|x| x.ttft_ms.map(|t| (x.input_tokens as f64, t)))
+                .filter_map(|x| x.ttft_ms.map(|t| (report.prompt_tokens_of(x) as f64, t)))
                 .collect();
             (r.mode.clone(), pts)
         })

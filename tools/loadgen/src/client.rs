@@ -66,6 +66,11 @@ pub struct ClientConfig {
     pub extra_headers: Vec<(String, String)>,
     /// Bearer token for `Authorization`, if any.
     pub api_key: Option<String>,
+    /// Before each request, ask the server's `POST /tokenize` (vLLM's shape:
+    /// `{"model", "messages"}` → `{"count"}`) for its prompt-token count and
+    /// record it as [`RequestRecord::server_prompt_tokens`] (outside the
+    /// timed span; `usage` in the stream, when sent, overrides it). Default false.
+    pub server_tokenize: bool,
 }
 
 impl ClientConfig {
@@ -84,6 +89,7 @@ impl ClientConfig {
             extra_body: Map::new(),
             extra_headers: Vec::new(),
             api_key: None,
+            server_tokenize: false,
         }
     }
 }
@@ -97,7 +103,8 @@ pub struct RequestRecord {
     pub turn: usize,
     /// Prompt tokens counted by the client ([`TokenCounter::count_chat`]).
     pub input_tokens: u64,
-    /// `usage.prompt_tokens` reported by the server, if any.
+    /// The server's prompt-token count (`usage.prompt_tokens`, or `/tokenize`
+    /// with [`ClientConfig::server_tokenize`]), if any.
     pub server_prompt_tokens: Option<u64>,
     /// Output tokens (`usage.completion_tokens`, else the client's count of the answer).
     pub output_tokens: u64,
@@ -356,6 +363,9 @@ async fn send_turn(
         error: None,
         server_info: Map::new(),
     };
+    if s.cfg.server_tokenize {
+        rec.server_prompt_tokens = server_count(s, history).await;
+    }
     let t0 = Instant::now();
     let mut answer = String::new();
     let result = tokio::time::timeout(
@@ -378,6 +388,33 @@ async fn send_turn(
     }
     debug!(?rec, "request done");
     (rec, answer)
+}
+
+/// The server's prompt-token count from `POST /tokenize`; `None` (with a
+/// debug log) when the server has no such endpoint or answers otherwise.
+async fn server_count(s: &Shared, history: &[Message]) -> Option<u64> {
+    let url = format!(
+        "{}/tokenize",
+        s.url.trim_end_matches("/v1/chat/completions")
+    );
+    let body = json!({"model": s.model, "messages": history});
+    let mut req = s.http.post(&url).json(&body).timeout(s.cfg.request_timeout);
+    if let Some(k) = &s.cfg.api_key {
+        req = req.bearer_auth(k);
+    }
+    let v: Value = match async { req.send().await?.error_for_status()?.json().await }.await {
+        Ok(v) => v,
+        Err(e) => {
+            let e: reqwest::Error = e;
+            debug!("POST {url}: {e}");
+            return None;
+        }
+    };
+    v.get("count").and_then(Value::as_u64).or_else(|| {
+        v.get("tokens")
+            .and_then(Value::as_array)
+            .map(|t| t.len() as u64)
+    })
 }
 
 async fn stream_answer(

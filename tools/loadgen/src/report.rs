@@ -43,7 +43,8 @@ pub struct BucketSummary {
     pub bucket_lo_tokens: u64,
     /// Bucket upper edge, tokens (exclusive); `None` for the last bucket.
     pub bucket_hi_tokens: Option<u64>,
-    /// Median client-counted prompt tokens of the bucket's requests.
+    /// Median prompt tokens of the bucket's requests (the count chosen by
+    /// [`Report::prompt_count`]).
     pub prompt_tokens: u64,
     /// Requests in the bucket (including failed ones).
     pub count: usize,
@@ -85,6 +86,20 @@ fn server_p50(records: &[&&RequestRecord]) -> BTreeMap<String, f64> {
         .collect()
 }
 
+/// Which prompt-token count places a request in a bucket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptCount {
+    /// The server's count (`usage.prompt_tokens` or `/tokenize`) when every
+    /// request of the report has one, else the client's.
+    #[default]
+    Auto,
+    /// The client's tokenizer count ([`RequestRecord::input_tokens`]).
+    Client,
+    /// The server's count, falling back to the client's where missing.
+    Server,
+}
+
 /// Runs of the same conversation set under several modes, merged.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
@@ -94,6 +109,9 @@ pub struct Report {
     pub bucket_edges_tokens: Vec<u64>,
     /// The runs, in the order pushed.
     pub runs: Vec<ModeRun>,
+    /// Which count buckets requests (default [`PromptCount::Auto`]).
+    #[serde(default)]
+    pub prompt_count: PromptCount,
 }
 
 impl Report {
@@ -107,6 +125,28 @@ impl Report {
             tokenizer: tokenizer.into(),
             bucket_edges_tokens,
             runs: Vec::new(),
+            prompt_count: PromptCount::Auto,
+        }
+    }
+
+    /// True when buckets use the server's prompt-token counts (see [`PromptCount`]).
+    pub fn uses_server_counts(&self) -> bool {
+        match self.prompt_count {
+            PromptCount::Client => false,
+            PromptCount::Server => true,
+            PromptCount::Auto => {
+                let mut all = self.runs.iter().flat_map(|r| &r.records).peekable();
+                all.peek().is_some() && all.all(|r| r.server_prompt_tokens.is_some())
+            }
+        }
+    }
+
+    /// Prompt tokens of `r` under this report's [`PromptCount`] choice.
+    pub fn prompt_tokens_of(&self, r: &RequestRecord) -> u64 {
+        if self.uses_server_counts() {
+            r.server_prompt_tokens.unwrap_or(r.input_tokens)
+        } else {
+            r.input_tokens
         }
     }
 
@@ -139,12 +179,20 @@ impl Report {
     /// [`Report::summaries`] over the requests `keep` accepts, e.g.
     /// `|r| r.turn > 0` for the turns that can reuse an earlier turn's KV cache.
     pub fn summaries_where(&self, keep: impl Fn(&RequestRecord) -> bool) -> Vec<BucketSummary> {
+        let server = self.uses_server_counts();
+        let count = |r: &RequestRecord| {
+            if server {
+                r.server_prompt_tokens.unwrap_or(r.input_tokens)
+            } else {
+                r.input_tokens
+            }
+        };
         let mut out = Vec::new();
         for run in &self.runs {
             let mut by_bucket: Vec<Vec<&RequestRecord>> =
                 vec![Vec::new(); self.bucket_edges_tokens.len()];
             for r in run.records.iter().filter(|r| keep(r)) {
-                by_bucket[self.bucket_of(r.input_tokens)].push(r);
+                by_bucket[self.bucket_of(count(r))].push(r);
             }
             for (b, rs) in by_bucket.iter().enumerate() {
                 if rs.is_empty() {
@@ -154,7 +202,7 @@ impl Report {
                 let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
                 let tpot: Vec<f64> = ok.iter().filter_map(|r| r.tpot_ms).collect();
                 let lat: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
-                let prompts: Vec<f64> = rs.iter().map(|r| r.input_tokens as f64).collect();
+                let prompts: Vec<f64> = rs.iter().map(|r| count(r) as f64).collect();
                 out.push(BucketSummary {
                     mode: run.mode.clone(),
                     bucket_lo_tokens: self.bucket_edges_tokens[b],
@@ -189,6 +237,15 @@ impl Report {
         };
         let rows = self.summaries_where(keep);
         let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "prompt tokens counted by {}",
+            if self.uses_server_counts() {
+                "the server"
+            } else {
+                self.tokenizer.as_str()
+            }
+        );
         let _ = writeln!(
             s,
             "{:<10} {:>16} {:>6} {:>4} {:>8} {:>10} {:>10} {:>9} {:>11}",
@@ -271,6 +328,8 @@ impl Report {
     pub fn to_json(&self) -> Value {
         json!({
             "tokenizer": self.tokenizer,
+            "prompt_count": self.prompt_count,
+            "prompt_tokens_counted_by": if self.uses_server_counts() { "server" } else { "client" },
             "bucket_edges_tokens": self.bucket_edges_tokens,
             "summary": self.summaries(),
             "runs": self.runs,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use kvloop_engine_sim::{Role, SimConfig, spawn};
 use kvloop_loadgen::agentic::{AgenticSpec, SourceCorpus, generate_agentic};
 use kvloop_loadgen::client::{ClientConfig, run_mode};
-use kvloop_loadgen::report::{Report, default_bucket_edges_tokens};
+use kvloop_loadgen::report::{PromptCount, Report, default_bucket_edges_tokens};
 use kvloop_loadgen::tokenizer::TokenCounter;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -32,6 +32,7 @@ async fn agentic_run_against_engine_sim() {
     let convs = generate_agentic(&spec, &corpus, &tok).unwrap();
     let mut cfg = ClientConfig::new(sim.url());
     cfg.max_concurrency = 2;
+    cfg.server_tokenize = true;
     cfg.request_timeout = std::time::Duration::from_secs(30);
     let run = run_mode("OFF", &convs, &cfg, &tok).await.unwrap();
     assert_eq!(run.records.len(), 12);
@@ -46,8 +47,18 @@ async fn agentic_run_against_engine_sim() {
             .all(|r| r.ttft_ms.is_some() && r.output_tokens > 0)
     );
     assert_eq!(sim.engine.stats().requests, 12);
+    // The simulator's own prompt count (from its /tokenize) is recorded.
+    assert!(
+        run.records
+            .iter()
+            .all(|r| r.server_prompt_tokens.is_some_and(|n| n > 0))
+    );
     let mut rep = Report::new(default_bucket_edges_tokens(), tok.name());
     rep.push(run);
+    println!("{}", rep.render_table());
+    assert!(rep.uses_server_counts());
+    rep.prompt_count = PromptCount::Client;
+    assert!(!rep.uses_server_counts());
     println!("{}", rep.render_table());
     assert!(rep.summaries().iter().any(|s| s.bucket_lo_tokens == 4096));
 }
