@@ -117,7 +117,25 @@ pub struct Agent {
     pub push_seq: AtomicU64,
     /// Wakes the push task at once (a path was invalidated).
     pub push_now: Notify,
+    /// The agent's own READs are timed in the kernel (eBPF loaded and its
+    /// READ-site uprobes attached); otherwise they are timed in user space
+    /// and labelled `source="userspace"`.
+    pub reads_timed_in_kernel: bool,
     next_generation: AtomicU64,
+}
+
+/// Whether a `peers[]` entry is this agent itself: same name as `agent_id`,
+/// or its HTTP address is this agent's `http_listen` (or `node_addr` with
+/// the `http_listen` port, for a wildcard listen address).
+pub fn is_own_peer_entry(cfg: &AgentConfig, p: &crate::config::PeerConfig) -> bool {
+    if p.name == cfg.agent_id {
+        return true;
+    }
+    let own = cfg.http_listen;
+    p.http == own
+        || (p.http.port() == own.port()
+            && (p.http.ip() == cfg.node_addr
+                || (own.ip().is_unspecified() && p.http.ip().is_loopback())))
 }
 
 impl Agent {
@@ -162,9 +180,16 @@ impl Agent {
         } else {
             None
         };
-        let peers = cfg
+        let peers: HashMap<String, PeerState> = cfg
             .peers
             .iter()
+            .filter(|p| {
+                let own = is_own_peer_entry(&cfg, p);
+                if own {
+                    tracing::info!(peer = %p.name, http = %p.http, "peers[]: skipping this agent's own entry");
+                }
+                !own
+            })
             .map(|p| {
                 (
                     p.name.clone(),
@@ -182,6 +207,18 @@ impl Agent {
             .connect_timeout(Duration::from_millis(1000))
             .timeout(Duration::from_millis(cfg.push_timeout_ms.max(1000)))
             .build()?;
+        let reads_timed_in_kernel = probes.source() == kvloop_probes::Source::Ebpf
+            && probes
+                .attached()
+                .iter()
+                .any(|a| a.ends_with("-> kvloop_read_post"));
+        let metrics = Metrics::default();
+        for name in peers.keys() {
+            metrics
+                .path_valid
+                .get_or_create(&labels(&[("peer", name.as_str())]))
+                .set(1);
+        }
         Ok(Arc::new(Self {
             leases: Mutex::new(LeaseTable::new(cfg.lease)),
             cfg,
@@ -192,10 +229,11 @@ impl Agent {
             peers: RwLock::new(peers),
             probe_engine,
             probes,
-            metrics: Metrics::default(),
+            metrics,
             http,
             push_seq: AtomicU64::new(1),
             push_now: Notify::new(),
+            reads_timed_in_kernel,
             next_generation: AtomicU64::new(1),
         }))
     }
@@ -488,6 +526,9 @@ impl Agent {
                     .read_bytes
                     .get_or_create(&labels(&[("direction", dir_label)]))
                     .inc_by(o.bytes);
+                if !self.reads_timed_in_kernel {
+                    self.observe_read_userspace(peer_engine_id, direction, &o);
+                }
                 if let Some(peer) = self.peer_of_engine(peer_engine_id) {
                     self.record_own_read(&peer, &o, SampleSource::Userspace);
                 }
@@ -508,8 +549,7 @@ impl Agent {
     /// instead ([`crate::tasks`] drains it), so user-space timing is only
     /// recorded in fallback mode; active probes are always recorded as such.
     pub fn record_own_read(&self, peer: &str, o: &ReadOutcome, source: SampleSource) {
-        let ebpf = self.probes.source() == kvloop_probes::Source::Ebpf;
-        if source == SampleSource::Userspace && ebpf {
+        if source == SampleSource::Userspace && self.reads_timed_in_kernel {
             return;
         }
         let s = TransferSample {
@@ -527,6 +567,33 @@ impl Agent {
         {
             tracing::debug!(error = %e, "transfer sample rejected");
         }
+    }
+
+    /// Feeds a READ timed in user space to the probes' transfer histograms
+    /// (`source="userspace"`), where the kernel does not time this agent's
+    /// READs.
+    fn observe_read_userspace(
+        &self,
+        peer_engine_id: &str,
+        direction: ReadDirection,
+        o: &ReadOutcome,
+    ) {
+        let args = kvloop_common::ReadProbeArgs {
+            xfer_id: o.xfer_id,
+            bytes: o.bytes,
+            descriptors: o.descriptors,
+            direction: direction.to_dataplane() as u8,
+            backend: match self.cfg.backend {
+                kvloop_dataplane::BackendConfig::Libfabric(_) => {
+                    kvloop_common::BackendKind::Libfabric as u8
+                }
+                kvloop_dataplane::BackendConfig::Nixl(_) => kvloop_common::BackendKind::Nixl as u8,
+            },
+            status: 0,
+            peer: kvloop_common::ReadProbeArgs::peer_from_str(peer_engine_id),
+        };
+        self.probes
+            .observe_read_userspace(&args, Duration::from_micros(o.elapsed_us.max(1)));
     }
 
     /// Retains blocks of a hosted engine.
@@ -808,9 +875,20 @@ impl Agent {
             "engines": self.engines_info(),
             "leases": self.leases.lock().unwrap().len(),
             "ebpf": self.probes.source() == kvloop_probes::Source::Ebpf,
+            "read_timing": self.read_timing_label(),
             "peers": peers,
             "thresholds": thresholds,
         })
+    }
+
+    /// Where this agent's own READs are timed: `ebpf` (READ-site uprobes
+    /// attached) or `userspace`.
+    pub fn read_timing_label(&self) -> &'static str {
+        if self.reads_timed_in_kernel {
+            "ebpf"
+        } else {
+            "userspace"
+        }
     }
 
     /// Drops every hosted engine (shutdown).

@@ -78,16 +78,35 @@ pub async fn run(cfg: &AgentConfig) -> Report {
         retransmit: false,
         ..Default::default()
     };
-    let ebpf = match tokio::task::spawn_blocking(move || kvloop_probes::Probes::load(pc)).await {
-        Ok(Ok(_p)) => Part {
+    let ebpf = match tokio::task::spawn_blocking(move || {
+        kvloop_probes::Probes::load(pc).map(|p| {
+            let attach = p.attach_transfer_sites("/proc/self/exe", None);
+            (p, attach)
+        })
+    })
+    .await
+    {
+        Ok(Ok((_p, Ok(())))) => Part {
             ok: true,
             required: cfg.require_ebpf,
-            detail: "eBPF probes load".into(),
+            detail: "eBPF probes load and the READ-site uprobes attach".into(),
+        },
+        Ok(Ok((_p, Err(e)))) => Part {
+            ok: false,
+            required: cfg.require_ebpf,
+            detail: format!(
+                "attaching READ probes failed: {} (the agent falls back to user-space timing of \
+                 its READs)",
+                crate::caps::explain(&e.to_string(), crate::caps::Stage::Uprobe)
+            ),
         },
         Ok(Err(e)) => Part {
             ok: false,
             required: cfg.require_ebpf,
-            detail: format!("{e} (the agent falls back to user-space timing)"),
+            detail: format!(
+                "{} (the agent falls back to user-space timing)",
+                crate::caps::explain(&e.to_string(), crate::caps::Stage::Load)
+            ),
         },
         Err(e) => Part {
             ok: false,
@@ -96,16 +115,24 @@ pub async fn run(cfg: &AgentConfig) -> Report {
         },
     };
     parts.insert("ebpf".into(), ebpf);
-    let euid = nix::unistd::geteuid();
+    let cap_eff = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| crate::caps::parse_cap_eff(&s))
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .ok()
+        .and_then(|s| crate::caps::parse_kernel_version(&s));
+    let lacking = [crate::caps::Stage::Load, crate::caps::Stage::Uprobe]
+        .into_iter()
+        .find_map(|st| crate::caps::missing(cap_eff, kernel, st));
     parts.insert(
         "privilege".into(),
         Part {
-            ok: euid.is_root(),
+            ok: lacking.is_none(),
             required: false,
-            detail: if euid.is_root() {
-                "root (eBPF, rtnetlink, memlock)".into()
-            } else {
-                format!("uid {euid}: eBPF needs root or CAP_BPF+CAP_PERFMON")
+            detail: match lacking {
+                None => format!("CapEff {cap_eff:#x}: eBPF programs, tracepoints and uprobes"),
+                Some(cap) => format!("CapEff {cap_eff:#x}: missing capability {cap}"),
             },
         },
     );

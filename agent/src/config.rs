@@ -16,7 +16,7 @@
 //!
 //! [[routers]]
 //! url = "http://10.0.0.9:8000"
-//! token = "s3cret"
+//! token = "s3cret"   # or KVLOOP_AGENT_ROUTER_TOKEN
 //!
 //! [[pairs]]
 //! prefill_engine_id = "p0"
@@ -224,8 +224,11 @@ pub struct PeerConfig {
 pub struct RouterTarget {
     /// Base URL, e.g. `http://10.0.0.9:8000`.
     pub url: String,
-    /// Bearer token (the router's `admin_token`).
-    pub token: String,
+    /// Bearer token (the router's `admin_token`); `KVLOOP_AGENT_ROUTER_TOKEN`
+    /// (flag `--router-token`) fills it for every router, over the file.
+    /// Required from one of the two [none].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// A (P, D) pair whose threshold this agent computes (its prefill engine
@@ -288,9 +291,28 @@ impl AgentConfig {
     /// # Errors
     /// [`ConfigError`] naming the field.
     pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
-        let c: Self = toml::from_str(s)?;
+        let c = Self::parse_toml(s)?;
         c.validate()?;
         Ok(c)
+    }
+
+    /// Parses TOML text without the cross-field checks of
+    /// [`Self::validate`] (for overriding fields from the environment and
+    /// flags first; call `validate` afterwards).
+    ///
+    /// # Errors
+    /// [`ConfigError::Toml`] naming an unknown or mistyped field.
+    pub fn parse_toml(s: &str) -> Result<Self, ConfigError> {
+        Ok(toml::from_str(s)?)
+    }
+
+    /// Sets the bearer token of every `routers[]` entry (from
+    /// `KVLOOP_AGENT_ROUTER_TOKEN` / `--router-token`; the Kubernetes
+    /// DaemonSet passes it from the router's Secret).
+    pub fn set_router_token(&mut self, token: &str) {
+        for r in &mut self.routers {
+            r.token = Some(token.to_string());
+        }
     }
 
     /// `valid_for_ms` of pushed thresholds.
@@ -339,6 +361,13 @@ impl AgentConfig {
                 return Err(invalid(
                     format!("routers[{i}].url"),
                     "an http:// or https:// URL",
+                ));
+            }
+            if r.token.as_deref().is_none_or(str::is_empty) {
+                return Err(invalid(
+                    format!("routers[{i}].token"),
+                    "a bearer token (the router's admin_token), in the file or from \
+                     KVLOOP_AGENT_ROUTER_TOKEN / --router-token",
                 ));
             }
         }
@@ -399,6 +428,22 @@ mod tests {
         "#;
         let e = AgentConfig::from_toml(t).unwrap_err();
         assert!(e.to_string().contains("pairs[0].decode_peer"), "{e}");
+    }
+
+    #[test]
+    fn router_token_comes_from_the_file_or_the_environment() {
+        let t = "[[routers]]\nurl = \"http://10.0.0.9:8000\"\n";
+        let e = AgentConfig::from_toml(t).unwrap_err();
+        assert!(e.to_string().contains("routers[0].token"), "{e}");
+        assert!(e.to_string().contains("KVLOOP_AGENT_ROUTER_TOKEN"), "{e}");
+        let mut c = AgentConfig::parse_toml(t).unwrap();
+        c.set_router_token("t0ken");
+        c.validate().unwrap();
+        assert_eq!(c.routers[0].token.as_deref(), Some("t0ken"));
+        let c = AgentConfig::from_toml(&format!("{t}token = \"file\"\n")).unwrap();
+        assert_eq!(c.routers[0].token.as_deref(), Some("file"));
+        let e = AgentConfig::from_toml(&format!("{t}token = \"\"\n")).unwrap_err();
+        assert!(e.to_string().contains("routers[0].token"), "{e}");
     }
 
     #[test]

@@ -1,17 +1,26 @@
 //! CUDA IPC handle registration (GPU KV memory of an engine).
 //!
-//! Status: the dataplane's `TransferEngine::start` takes host regions only
-//! (`HostRegion`), so a CUDA IPC handle cannot yet be registered for READs;
+//! Status: refused, on purpose. The dataplane can register device memory
+//! (`kvloop_dataplane::region::KvRegion::Cuda` through
+//! `TransferEngine::start_with_regions`, feature `cuda`), but its
+//! `CudaRegion` is built only by `CudaRegion::new`, which *allocates* its own
+//! buffer; it has no constructor that wraps a device pointer opened elsewhere
+//! (here: the engine's memory opened with `cuIpcOpenMemHandle`) and keeps the
+//! IPC mapping and its context alive. Registering the opened pointer needs
+//! such a constructor in `kvloop-dataplane` (owner: the dataplane), e.g.
+//! `CudaRegion::from_ipc(device, ptr, len, close_on_drop)`; until then
 //! [`crate::proto::RegionSource::CudaIpc`] is refused with
-//! [`unsupported_message`]. With feature `cuda`, [`open_ipc_handle`] opens a
-//! handle with cudarc (driver loaded at run time); it is exercised only where
-//! a GPU exists (none on the build machines).
+//! [`unsupported_message`] and engines register host memory (memfd). With
+//! feature `cuda`, [`open_ipc_handle`] opens a handle with cudarc (driver
+//! loaded at run time); it is exercised only where a GPU exists (none on the
+//! build machines).
 
 /// Why a CUDA IPC registration is refused.
 pub fn unsupported_message() -> String {
     if cfg!(feature = "cuda") {
-        "regions: cuda_ipc registration needs device regions in the dataplane's TransferEngine \
-         (host memfd regions only for now); register host memory with kind = \"memfd\""
+        "regions: cuda_ipc registration needs a dataplane CudaRegion that wraps an IPC-opened \
+         device pointer (kvloop-dataplane's CudaRegion only allocates its own memory); register \
+         host memory with kind = \"memfd\""
             .into()
     } else {
         "regions: cuda_ipc needs kvloop-agent built with feature `cuda` (and a GPU); register \

@@ -10,9 +10,11 @@
 //! * [`netstate`]: rtnetlink link state, sysfs speed, RDMA counters,
 //!   path invalidation.
 //! * [`http`]: `/metrics`, `/healthz`, agent-to-agent `/v1/` API.
+//! * [`caps`]: which Linux capability an eBPF permission failure lacks.
 //! * [`check`]: `kvloop-agent --check` readiness report.
 #![deny(missing_docs)]
 pub mod agent;
+pub mod caps;
 pub mod check;
 pub mod client;
 pub mod config;

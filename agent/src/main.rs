@@ -1,7 +1,7 @@
 //! `kvloop-agent`: the per-node kvloop daemon.
 //!
 //! `kvloop-agent [--config agent.toml] [--agent-id ID] [--node-addr IP]
-//! [--http-listen ADDR] [--socket PATH] [--provider P] [--check]
+//! [--http-listen ADDR] [--socket PATH] [--provider P] [--router-token T] [--check]
 //! [--print-config]`; every flag also reads a `KVLOOP_AGENT_*` environment
 //! variable. Precedence: flag > environment > TOML > default. Logs to stderr
 //! (`RUST_LOG`, default `info`; `--log-json` for JSON lines). On start it
@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use kvloop_agent::{Agent, AgentConfig, check, http, server, tasks};
+use kvloop_agent::{Agent, AgentConfig, caps, check, http, server, tasks};
 use kvloop_dataplane::BackendConfig;
 
 #[derive(Parser)]
@@ -39,6 +39,10 @@ struct Cli {
     /// Overrides `push_period_ms`.
     #[arg(long, env = "KVLOOP_AGENT_PUSH_PERIOD_MS")]
     push_period_ms: Option<u64>,
+    /// Bearer token of every `routers[]` entry (overrides `routers[].token`;
+    /// the Kubernetes DaemonSet passes it from the router's Secret).
+    #[arg(long, env = "KVLOOP_AGENT_ROUTER_TOKEN", hide_env_values = true)]
+    router_token: Option<String>,
     /// Overrides `require_ebpf`.
     #[arg(long, env = "KVLOOP_AGENT_REQUIRE_EBPF")]
     require_ebpf: Option<bool>,
@@ -59,7 +63,7 @@ fn load_config(cli: &Cli) -> anyhow::Result<AgentConfig> {
         Some(p) => {
             let t =
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            AgentConfig::from_toml(&t).with_context(|| format!("in {}", p.display()))?
+            AgentConfig::parse_toml(&t).with_context(|| format!("in {}", p.display()))?
         }
         None => AgentConfig::default(),
     };
@@ -89,7 +93,15 @@ fn load_config(cli: &Cli) -> anyhow::Result<AgentConfig> {
     if let Some(v) = cli.require_ebpf {
         cfg.require_ebpf = v;
     }
-    cfg.validate()?;
+    if let Some(v) = &cli.router_token {
+        cfg.set_router_token(v);
+    }
+    match &cli.config {
+        Some(p) => cfg
+            .validate()
+            .with_context(|| format!("in {}", p.display()))?,
+        None => cfg.validate()?,
+    }
     Ok(cfg)
 }
 
@@ -166,7 +178,8 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     tracing::info!(
         agent_id = %cfg.agent_id, http = %http_addr, socket = %cfg.socket_path.display(),
         probe_engine = ?agent.probe_engine.as_ref().map(|e| e.side_channel_addr()),
-        ebpf = agent.probes.source().label(), "kvloop-agent running"
+        ebpf = agent.probes.source().label(), read_timing = agent.read_timing_label(),
+        "kvloop-agent running"
     );
     println!(
         "READY http={http_addr} socket={}",
@@ -202,16 +215,30 @@ async fn load_probes(cfg: &AgentConfig) -> anyhow::Result<kvloop_probes::Probes>
     };
     let probes = tokio::task::spawn_blocking(move || kvloop_probes::Probes::load(pc)).await?;
     let probes = match probes {
-        Ok(p) => {
-            if let Err(e) = p.attach_transfer_sites("/proc/self/exe", None) {
-                tracing::warn!(error = %e, "attaching READ probes to this process failed");
+        Ok(p) => match p.attach_transfer_sites("/proc/self/exe", None) {
+            Ok(()) => p,
+            Err(e) => {
+                let e = caps::explain(&e.to_string(), caps::Stage::Uprobe);
+                if cfg.require_ebpf {
+                    anyhow::bail!(
+                        "require_ebpf: attaching READ probes to this process failed: {e}"
+                    );
+                }
+                tracing::warn!(
+                    error = %e,
+                    "attaching READ probes to this process failed: user-space timing of this \
+                     agent's READs (source=userspace)"
+                );
+                p
             }
-            p
-        }
-        Err(e) if cfg.require_ebpf => anyhow::bail!("require_ebpf: eBPF probes do not load: {e}"),
+        },
         Err(e) => {
+            let e = caps::explain(&e.to_string(), caps::Stage::Load);
+            if cfg.require_ebpf {
+                anyhow::bail!("require_ebpf: eBPF probes do not load: {e}");
+            }
             tracing::warn!(error = %e, "eBPF probes unavailable: user-space timing of this agent's READs");
-            kvloop_probes::Probes::userspace(e.to_string())
+            kvloop_probes::Probes::userspace(e)
         }
     };
     Ok(probes)

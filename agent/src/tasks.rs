@@ -61,6 +61,20 @@ async fn discovery_loop(agent: Arc<Agent>) {
                 }
             };
             let Some(info) = info else { continue };
+            let own_probe = agent.probe_engine.as_ref().map(|e| e.side_channel_addr());
+            if info.agent_id == agent.cfg.agent_id
+                || (own_probe.is_some() && info.probe.as_ref().map(|p| p.side_channel) == own_probe)
+            {
+                // A peers[] entry that reaches this agent itself under another
+                // name or address (a shared peer list): never probe oneself.
+                tracing::info!(peer = %name, %http, "peers[]: entry is this agent itself; skipped");
+                agent.peers.write().unwrap().remove(&name);
+                agent
+                    .metrics
+                    .path_valid
+                    .remove(&labels(&[("peer", name.as_str())]));
+                continue;
+            }
             if info.version != crate::http::API_VERSION {
                 tracing::warn!(peer = %name, version = info.version, "peer speaks another agent API version; ignored");
                 continue;
@@ -381,7 +395,7 @@ async fn push_one(agent: &Agent, r: &crate::config::RouterTarget, u: &ThresholdU
         let res = agent
             .http
             .put(&url)
-            .bearer_auth(&r.token)
+            .bearer_auth(r.token.as_deref().unwrap_or_default())
             .timeout(Duration::from_millis(agent.cfg.push_timeout_ms))
             .json(u)
             .send()

@@ -164,9 +164,7 @@ def test_without_the_probe_capability_the_agent_refuses_to_start(tmp, removed):
         assert a.proc.returncode not in (None, 0), (
             f"agent without CAP_{removed} kept running:\n{err[-3000:]}")
         assert "eBPF probes do not load" in err and "Operation not permitted" in err, err[-3000:]
-        if f"CAP_{removed}" not in err:
-            pytest.xfail(f"the agent fails without CAP_{removed} but its message does not name "
-                         f"the capability yet: {err.strip().splitlines()[0]!r}")
+        assert f"missing capability CAP_{removed}" in err, err[-3000:]
     finally:
         a.stop()
 
@@ -220,26 +218,19 @@ def test_ipc_lock_is_what_lets_the_agent_pin_memory_beyond_the_memlock_limit(tmp
 def test_without_sys_admin_but_with_bpf_and_perfmon_no_read_is_timed_in_the_kernel(tmp):
     """BPF + PERFMON load the programs and attach the tracepoints, but not the
     READ-site uprobes (Linux >= 6.16). With `require_ebpf = true` the agent
-    should then refuse to start, naming CAP_SYS_ADMIN; today it warns and
-    runs without kernel timing of its READs."""
+    then refuses to start, naming CAP_SYS_ADMIN."""
     need_root()
     caps = [c for c in daemonset_caps() if c != "SYS_ADMIN"] + ["BPF", "PERFMON"]
     a = Agent(caps, tmp)
     try:
-        deadline = time.monotonic() + 10
-        while a.proc.poll() is None and time.monotonic() < deadline and a.ready:
-            if "attaching READ probes" in a.stderr():
-                break
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while a.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         err = a.stderr()
-        if a.ready.startswith("READY"):
-            assert "attaching READ probes to this process failed" in err, err[-3000:]
-            assert "Permission denied" in err
-            pytest.xfail("with require_ebpf = true the agent still starts when its READ-site "
-                         "uprobes cannot attach (it warns: " +
-                         next(l for l in err.splitlines() if "attaching READ probes" in l).strip()
-                         + ")")
-        assert a.proc.returncode not in (None, 0)
-        assert "CAP_SYS_ADMIN" in err, err[-3000:]
+        assert not a.ready.startswith("READY"), f"agent started without CAP_SYS_ADMIN:\n{err[-3000:]}"
+        assert a.proc.returncode not in (None, 0), err[-3000:]
+        assert "attaching READ probes to this process failed" in err, err[-3000:]
+        assert "Permission denied" in err, err[-3000:]
+        assert "missing capability CAP_SYS_ADMIN (uprobes need it on Linux" in err, err[-3000:]
     finally:
         a.stop()
