@@ -78,7 +78,12 @@ where
         .map_err(chart_err)?;
     let mut mesh = chart.configure_mesh();
     if text {
-        mesh.x_desc("prompt tokens")
+        let by = if report.uses_server_counts() {
+            "server"
+        } else {
+            report.tokenizer.as_str()
+        };
+        mesh.x_desc(format!("prompt tokens (counted by {by})"))
             .x_label_formatter(&|x| format!("{x:.0}"))
             .y_label_formatter(&|y| format!("{y:.0}"))
             .light_line_style(WHITE.mix(0.0))

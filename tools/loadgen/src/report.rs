@@ -282,12 +282,13 @@ impl Report {
         let modes = self.modes();
         if modes.len() >= 2 {
             let _ = writeln!(s);
+            let w = modes.iter().map(|m| m.len() + 5).max().unwrap_or(0).max(12);
             let mut head = format!("{:>16} {:>8}", "prompt bucket", "prompt");
             for m in &modes {
-                head.push_str(&format!(" {:>12}", format!("TTFT {m}")));
+                head.push_str(&format!(" {:>w$}", format!("TTFT {m}")));
             }
             for m in &modes[1..] {
-                head.push_str(&format!(" {:>12}", format!("x {m}")));
+                head.push_str(&format!(" {:>w$}", format!("x {m}")));
             }
             let _ = writeln!(s, "{head}");
             let mut buckets: Vec<(u64, Option<u64>)> = rows
@@ -308,14 +309,14 @@ impl Report {
                     .map(|m| get(m).and_then(|r| r.ttft_ms_p50))
                     .collect();
                 for t in &ttft {
-                    line.push_str(&format!(" {:>12}", f(*t)));
+                    line.push_str(&format!(" {:>w$}", f(*t)));
                 }
                 for t in &ttft[1..] {
                     let x = match (ttft[0], *t) {
                         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
                         _ => "-".into(),
                     };
-                    line.push_str(&format!(" {x:>12}"));
+                    line.push_str(&format!(" {x:>w$}"));
                 }
                 let _ = writeln!(s, "{line}");
             }
