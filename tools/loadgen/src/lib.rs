@@ -31,10 +31,14 @@
 //! let mut rep = report::Report::new(report::default_bucket_edges_tokens(), tok.name());
 //! for mode in ["OFF", "fixed", "adaptive"] {
 //!     // (re)configure the system under test for `mode` here
-//!     let cfg = client::ClientConfig::new("http://127.0.0.1:8000");
+//!     let mut cfg = client::ClientConfig::new("http://127.0.0.1:8000");
+//!     cfg.max_concurrency = 2;
+//!     cfg.server_tokenize = true; // bucket by the engine's own prompt count
 //!     rep.push(client::run_mode(mode, &convs, &cfg, &tok).await?);
 //! }
 //! println!("{}", rep.render_table());
+//! // Turns after the first are the ones that can reuse D's KV cache:
+//! println!("{}", rep.render_table_where(|r| r.turn > 0));
 //! rep.write_json("target/kvloop-demo/report.json".as_ref())?;
 //! chart::write_ttft_chart(&rep, "target/kvloop-demo/ttft.png".as_ref(), "TTFT vs prompt length")?;
 //! # Ok(()) }
