@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{AgentProc, free_port, have_root, in_ci};
 use kvloop_agent::client::AgentClient;
-use kvloop_agent::proto::ReadDirection;
+use kvloop_agent::proto::{CudaIpcRegion, ReadDirection, RegionSource, Request};
 use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
 
 const AGENT: &str = env!("CARGO_BIN_EXE_kvloop-agent");
@@ -114,6 +114,34 @@ http = "127.0.0.1:{hb}"
         .unwrap();
     let peers: Vec<_> = st["peers"].as_object().unwrap().keys().cloned().collect();
     assert_eq!(peers, ["node-b"], "{st:#}");
+
+    // GPU memory by CUDA IPC handle is refused with the reason (the
+    // dataplane cannot wrap an IPC-opened pointer yet); the agent keeps
+    // serving host memory.
+    let c = AgentClient::connect(&sock, "test-cuda").await.unwrap();
+    let layout = KvLayout {
+        num_regions: 1,
+        num_blocks: 4,
+        block_len_bytes: 4096,
+        block_size_tokens: 16,
+    };
+    let req = Request::Register {
+        engine_id: "gpu0".into(),
+        layout,
+        regions: RegionSource::CudaIpc {
+            regions: vec![CudaIpcRegion {
+                device: 0,
+                handle_hex: "00".repeat(64),
+                len_bytes: 4 * 4096,
+            }],
+        },
+        side_channel_port: None,
+    };
+    let e = c.call(&req, &[]).await.unwrap_err().to_string();
+    assert!(e.contains("cuda_ipc") && e.contains("memfd"), "{e}");
+    let mem = vec![HostRegion::new("cuda-refused-then-host", 4 * 4096).unwrap()];
+    c.register_memfd("host0", layout, &mem, None).await.unwrap();
+    drop(c);
     assert!(a.stop(), "agent exits cleanly on SIGTERM");
 }
 
