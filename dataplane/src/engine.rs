@@ -381,9 +381,7 @@ impl TransferEngine {
             Some(other) => return Err(fail(format!("unexpected message {other:?}"))),
             None => return Err(fail("connection closed during handshake".into())),
         };
-        if let Err(e) = inner.check_peer(&remote) {
-            return Err(e);
-        }
+        inner.check_peer(&remote)?;
         inner.register_peer(remote.clone(), addr, sock)?;
         Ok(remote)
     }
@@ -418,10 +416,12 @@ impl TransferEngine {
         validate_pairs(&local_layout, &remote_layout, &req.blocks)?;
         {
             let q = inner.quarantine.lock().unwrap();
-            if !q.is_empty() {
-                if let Some(b) = req.blocks.iter().find(|b| q.contains_key(&b.local)) {
-                    return Err(DataplaneError::BlockQuarantined { block_id: b.local });
-                }
+            if let Some(b) = req
+                .blocks
+                .iter()
+                .find(|b| !q.is_empty() && q.contains_key(&b.local))
+            {
+                return Err(DataplaneError::BlockQuarantined { block_id: b.local });
             }
         }
         let segs = segments(&local_layout, &req.blocks);

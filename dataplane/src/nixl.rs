@@ -163,10 +163,13 @@ struct PendingXfer {
 // SAFETY: transfer requests are only touched under the agent mutex.
 unsafe impl Send for PendingXfer {}
 
+/// A loaded remote agent: its NIXL name and its regions.
+type NixlPeer = (String, Vec<RemoteRegion>);
+
 struct Shared {
     agent: Mutex<AgentBox>,
     pending: Mutex<Vec<PendingXfer>>,
-    peers: Mutex<Vec<Option<(String, Vec<RemoteRegion>)>>>,
+    peers: Mutex<Vec<Option<NixlPeer>>>,
     stop: AtomicBool,
 }
 

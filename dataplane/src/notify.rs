@@ -117,7 +117,8 @@ mod tests {
     fn releases_after_all_expected_notifications() {
         let mut t = NotificationTracker::new();
         assert!(!t.record("r1", 2));
-        assert!(!t.record("r2", 1) == false || t.len() == 1);
+        assert!(t.record("r2", 1));
+        assert_eq!(t.len(), 1);
         assert!(t.record("r1", 2));
         assert!(t.is_empty());
     }

@@ -19,6 +19,8 @@ struct Cli {
     cmd: Cmd,
 }
 
+// Parsed once at start-up; the size of the argument structs does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one transfer engine driven by JSON-line commands on stdin.
@@ -58,7 +60,7 @@ enum BenchCmd {
     /// READ throughput/latency vs raw libfabric and memcpy.
     Read(bench::BenchReadArgs),
     /// Multi-turn chat load (vLLM multi_turn inputs or agentic conversations): TTFT table, JSON, PNG.
-    Multiturn(multiturn::BenchMultiturnArgs),
+    Multiturn(Box<multiturn::BenchMultiturnArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -83,7 +85,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Explain(a) => tokio::task::spawn_blocking(move || explain::run(a)).await?,
             Cmd::Trace(a) => trace::run(a).await,
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
-            Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(a).await,
+            Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(*a).await,
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {
                 Some(DemoCmd::Dataplane(a)) => {
                     tokio::task::spawn_blocking(move || demo_dataplane::run(a)).await?
