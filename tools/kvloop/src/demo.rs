@@ -82,7 +82,7 @@ pub struct DemoArgs {
     #[arg(long, value_delimiter = ',', default_values_t = vec!["OFF".to_string(), "fixed".into(), "adaptive".into()])]
     pub modes: Vec<String>,
     /// Slow-link scenario: rate node B's egress is lowered to, mid-run of each mode.
-    #[arg(long, default_value = "400mbit")]
+    #[arg(long, default_value = "200mbit")]
     pub slow_rate: String,
     /// Output directory (report.json, ttft.png, logs/).
     #[arg(long, default_value = "target/kvloop-demo")]
@@ -604,6 +604,7 @@ block_size_tokens = 16
     let mut thresholds: BTreeMap<String, Option<u64>> = BTreeMap::new();
     let mut transfers: BTreeMap<String, (Vec<Value>, Vec<Value>)> = BTreeMap::new();
     let mut skipped = Vec::new();
+    let mut last_mode_s: Option<f64> = None;
     for mode in &a.modes {
         let threshold = match mode.as_str() {
             "OFF" => OFF_THRESHOLD_TOKENS,
@@ -637,11 +638,14 @@ block_size_tokens = 16
         wait_healthy(&http, &router_url).await?;
         if mode == "adaptive" {
             // The agent pushes every 500 ms once its model is fitted.
+            // In slow-link, an earlier mode's slowdown may still be in the
+            // agent's model: wait until the threshold reflects the restored
+            // link (below 4096 tokens) so the slowdown is seen again.
             let t = Instant::now();
             let mut th = None;
             while t.elapsed() < Duration::from_secs(30) {
                 th = router_threshold(&http, &router_url).await;
-                if th.is_some() {
+                if th.is_some_and(|v| !slow_link || v < 4096) {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
@@ -666,12 +670,22 @@ block_size_tokens = 16
         cfg.max_output_tokens = Some(a.answer_tokens);
         cfg.tag_ids_with_mode = true;
         let requests: usize = convs.iter().map(|c| c.user_turns()).sum();
-        println!("mode {mode}: threshold {threshold} tokens, {requests} requests …");
+        if mode == "adaptive" {
+            println!(
+                "mode {mode}: agent-pushed threshold (static {threshold} until a push), {requests} requests …"
+            );
+        } else {
+            println!("mode {mode}: threshold {threshold} tokens, {requests} requests …");
+        }
         let t_mode = Instant::now();
         let run_fut = client::run_mode(mode, &convs, &cfg, &tok);
         let run = if slow_link {
-            // Lower the link halfway through the expected run of this mode.
-            let half = Duration::from_secs_f64(expected_mode_s(a, &convs) / 2.0);
+            // Lower the link 40 % into this mode (by the previous mode's wall
+            // time, or an estimate for the first): the longest conversations
+            // (sent last) run on the slow link.
+            let half = Duration::from_secs_f64(
+                0.4 * last_mode_s.unwrap_or_else(|| expected_mode_s(a, &convs)),
+            );
             tokio::pin!(run_fut);
             tokio::select! {
                 r = &mut run_fut => r?,
@@ -681,10 +695,17 @@ block_size_tokens = 16
                     if mode == "adaptive" {
                         let watch = async {
                             let t = Instant::now();
+                            let mut last = None;
                             loop {
-                                tokio::time::sleep(Duration::from_secs(1)).await;
-                                if let Some(v) = router_threshold(&http, &router_url).await {
-                                    println!("  t+{:.0} s after the slowdown: threshold {v} tokens", t.elapsed().as_secs_f64());
+                                tokio::time::sleep(Duration::from_millis(500)).await;
+                                let v = router_threshold(&http, &router_url).await;
+                                if v != last {
+                                    println!(
+                                        "  t+{:.1} s after the slowdown: threshold {} tokens",
+                                        t.elapsed().as_secs_f64(),
+                                        v.map_or("(none in force)".into(), |v| v.to_string())
+                                    );
+                                    last = v;
                                 }
                             }
                         };
@@ -701,6 +722,7 @@ block_size_tokens = 16
             run_fut.await?
         };
         topo.unlimit();
+        last_mode_s = Some(t_mode.elapsed().as_secs_f64());
         let failed = run.records.iter().filter(|r| r.error.is_some()).count();
         println!(
             "mode {mode}: done in {:.1} s, {failed} failed",
