@@ -604,7 +604,6 @@ block_size_tokens = 16
     let mut thresholds: BTreeMap<String, Option<u64>> = BTreeMap::new();
     let mut transfers: BTreeMap<String, (Vec<Value>, Vec<Value>)> = BTreeMap::new();
     let mut skipped = Vec::new();
-    let mut last_mode_s: Option<f64> = None;
     for mode in &a.modes {
         let threshold = match mode.as_str() {
             "OFF" => OFF_THRESHOLD_TOKENS,
@@ -680,16 +679,27 @@ block_size_tokens = 16
         let t_mode = Instant::now();
         let run_fut = client::run_mode(mode, &convs, &cfg, &tok);
         let run = if slow_link {
-            // Lower the link 40 % into this mode (by the previous mode's wall
-            // time, or an estimate for the first): the longest conversations
-            // (sent last) run on the slow link.
-            let half = Duration::from_secs_f64(
-                0.4 * last_mode_s.unwrap_or_else(|| expected_mode_s(a, &convs)),
-            );
+            // Lower the link once half of this mode's requests reached P
+            // (conversations run shortest prefix first, so the longest
+            // ones run on the slow link).
+            let p_base = get_json(&http, &format!("{p_url}/sim/stats")).await?["requests"]
+                .as_u64()
+                .unwrap_or(0);
+            let switch_at = p_base + (requests as u64).div_ceil(2);
+            let half = async {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if let Ok(v) = get_json(&http, &format!("{p_url}/sim/stats")).await
+                        && v["requests"].as_u64().unwrap_or(0) >= switch_at
+                    {
+                        break;
+                    }
+                }
+            };
             tokio::pin!(run_fut);
             tokio::select! {
                 r = &mut run_fut => r?,
-                _ = tokio::time::sleep(half) => {
+                _ = half => {
                     topo.limit(&a.slow_rate)?;
                     println!("  link B→A lowered to {} (tc tbf)", a.slow_rate);
                     if mode == "adaptive" {
@@ -722,7 +732,6 @@ block_size_tokens = 16
             run_fut.await?
         };
         topo.unlimit();
-        last_mode_s = Some(t_mode.elapsed().as_secs_f64());
         let failed = run.records.iter().filter(|r| r.error.is_some()).count();
         println!(
             "mode {mode}: done in {:.1} s, {failed} failed",
@@ -796,16 +805,6 @@ block_size_tokens = 16
         bail!("{mismatched} KV blocks mismatched");
     }
     Ok(())
-}
-
-/// Rough duration of one mode (for the slow-link switch), s.
-fn expected_mode_s(a: &DemoArgs, convs: &[kvloop_loadgen::Conversation]) -> f64 {
-    let reqs: usize = convs.iter().map(|c| c.user_turns()).sum();
-    let avg_prefix =
-        a.prefix_tokens.iter().sum::<u64>() as f64 / a.prefix_tokens.len().max(1) as f64;
-    let per_req_ms =
-        40.0 + avg_prefix * 0.01 + a.answer_tokens as f64 * a.decode_us_per_token as f64 / 1000.0;
-    reqs as f64 * per_req_ms * a.time_scale.max(0.1) / 1000.0
 }
 
 /// Bucket edges: 0 and ¾ of every prefix length after the first, so each
