@@ -72,7 +72,11 @@ impl KvShape {
         if self.layers == 0 {
             return Err("kv_layers: expected at least 1".into());
         }
-        if self.bytes_per_token == 0 || self.bytes_per_token % (8 * u64::from(self.layers)) != 0 {
+        if self.bytes_per_token == 0
+            || !self
+                .bytes_per_token
+                .is_multiple_of(8 * u64::from(self.layers))
+        {
             return Err(format!(
                 "kv_bytes_per_token: expected a positive multiple of 8 × kv_layers ({}), got {}",
                 8 * self.layers,

@@ -18,10 +18,29 @@
 //! - Both roles serve `/tokenize` (vLLM's shape) with a deterministic
 //!   whitespace tokenizer and a fixed chat template, so P and D agree.
 //!
-//! Prefill latency is `prefill_us_per_token × computed tokens`, spent as a real
-//! sleep. The KV side is pluggable through [`KvTransfer`]; [`SimulatedTransfer`]
-//! checks the remote lease over the emitter's side channel (HTTP on the
-//! side-channel address) and sleeps `transfer_us_per_token × tokens`.
+//! Prefill latency is `prefill_us_per_token × computed tokens`, or with
+//! `--profile` a calibrated cost profile ([`profile`]: `qwen3-32b-h200`,
+//! `glm-5-fp8-h200`, fitted to the published TTFTs), spent as a real sleep
+//! scaled by `--time-scale`. The KV side is pluggable through [`KvTransfer`]:
+//!
+//! - `--kv-mode none` (default): [`SimulatedTransfer`] checks the remote lease
+//!   over the emitter's side channel (HTTP on the side-channel address) and
+//!   sleeps `transfer_us_per_token × tokens`.
+//! - `--kv-mode inproc`: real KV memory ([`kv`]): memfd regions registered
+//!   with an in-process `kvloop-dataplane` transfer engine (observe mode, as
+//!   stock vLLM with NIXL); KV content deterministic per (token id, position,
+//!   layer), written when a prefill computes tokens; [`DataplaneTransfer`]
+//!   claims the emitter's blocks on its side channel, READs them over
+//!   libfabric and notifies the owner, which frees them; every arriving block
+//!   is verified byte-exact (`verified_blocks`, `mismatched_blocks` in
+//!   `/sim/stats` and `/metrics`), and a mismatch means a recompute, never
+//!   wrong KV served.
+//! - `--kv-mode agent` (managed mode through the node agent) is refused at
+//!   start: not wired yet. `--agent-socket` reports prefill timings to the
+//!   node agent's cost model in any mode ([`agent_report`]).
+//!
+//! `GET /metrics` uses vLLM's metric names ([`metrics`]); `GET /sim/reads`
+//! lists the READs this engine performed (direction, tokens, bytes, ms).
 //!
 //! Test knobs travel in the request body as an object `"sim"` (the router
 //! passes unknown fields through): `fail_prefill`, `fail_prefill_with_params`,
