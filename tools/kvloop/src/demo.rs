@@ -281,6 +281,13 @@ fn need_bin(dir: &Path, name: &str) -> Result<PathBuf> {
 /// Runs the demo (`slow_link`: the slow-link scenario). Blocking: it runs
 /// its own tokio runtime on a thread placed in node A's namespace.
 pub fn run(a: DemoArgs, slow_link: bool) -> Result<()> {
+    // Ctrl-C / SIGTERM set a flag the demo polls; dropping the demo future
+    // then stops the children and removes the namespaces.
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
     let root = unsafe { libc::geteuid() } == 0;
     let pair = if root && !a.loopback {
         Some(NodePair::create(std::process::id() % 10_000)?)
@@ -318,9 +325,14 @@ pub fn run(a: DemoArgs, slow_link: bool) -> Result<()> {
                 .enable_all()
                 .build()?;
             rt.block_on(async {
+                let stop = async {
+                    while !INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                };
                 tokio::select! {
                     r = run_async(&a, &topo, slow_link) => r,
-                    _ = tokio::signal::ctrl_c() => {
+                    _ = stop => {
                         eprintln!("interrupted: stopping everything the demo started");
                         bail!("interrupted")
                     }
@@ -333,6 +345,12 @@ pub fn run(a: DemoArgs, slow_link: bool) -> Result<()> {
     topo.unlimit();
     drop(topo);
     result
+}
+
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn join_netns(ns: &str) -> Result<()> {
