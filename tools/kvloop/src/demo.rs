@@ -41,6 +41,9 @@ pub const OFF_THRESHOLD_TOKENS: u64 = 1_000_000_000;
 /// vLLM's static `kv_recompute_threshold` default (the fixed mode).
 pub const FIXED_THRESHOLD_TOKENS: u64 = 64;
 
+/// Default output directory.
+pub const DEFAULT_OUT_DIR: &str = "target/kvloop-demo";
+
 /// Flags of `kvloop demo` / `kvloop demo loop` / `kvloop demo slow-link`.
 #[derive(Clone, Debug, Args)]
 pub struct DemoArgs {
@@ -84,8 +87,9 @@ pub struct DemoArgs {
     /// Slow-link scenario: rate node B's egress is lowered to, mid-run of each mode.
     #[arg(long, default_value = "200mbit")]
     pub slow_rate: String,
-    /// Output directory (report.json, ttft.png, logs/).
-    #[arg(long, default_value = "target/kvloop-demo")]
+    /// Output directory (report.json, ttft.png, logs/); slow-link writes
+    /// under `<default>/slow-link` unless given.
+    #[arg(long, default_value = DEFAULT_OUT_DIR)]
     pub out_dir: PathBuf,
     /// Directory of kvloop-engine-sim, kvloop-router, kvloop-agent (default: next to this binary).
     #[arg(long, env = "KVLOOP_BIN_DIR")]
@@ -280,7 +284,11 @@ fn need_bin(dir: &Path, name: &str) -> Result<PathBuf> {
 
 /// Runs the demo (`slow_link`: the slow-link scenario). Blocking: it runs
 /// its own tokio runtime on a thread placed in node A's namespace.
-pub fn run(a: DemoArgs, slow_link: bool) -> Result<()> {
+pub fn run(mut a: DemoArgs, slow_link: bool) -> Result<()> {
+    if slow_link && a.out_dir == Path::new(DEFAULT_OUT_DIR) {
+        // Keep the main demo's report next to this one.
+        a.out_dir = a.out_dir.join("slow-link");
+    }
     // Ctrl-C / SIGTERM set a flag the demo polls; dropping the demo future
     // then stops the children and removes the namespaces.
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
