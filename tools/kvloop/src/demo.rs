@@ -790,6 +790,12 @@ block_size_tokens = 16
     drop(p);
     drop(d);
     drop(agents);
+    for side in ["a", "b"] {
+        // An agent removes its socket on SIGTERM; a killed one leaves it.
+        let _ = std::fs::remove_file(
+            std::env::temp_dir().join(format!("kvloop-demo-{}-{side}.sock", std::process::id())),
+        );
+    }
 
     let rows = rows(&rep, &transfers, &thresholds);
     println!();
