@@ -120,6 +120,12 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// the caller must then not free the registered memory (it leaks it
     /// rather than let the provider write into unmapped pages).
     fn quiesce(&self, timeout: std::time::Duration) -> bool;
+    /// A peer is about to READ this engine's memory for about `expected`:
+    /// keep serving-side progress active that long. Default: nothing (NIXL's
+    /// UCX backend makes its own progress).
+    fn kick(&self, expected: std::time::Duration) {
+        let _ = expected;
+    }
 }
 
 pub(crate) fn mismatch(

@@ -403,14 +403,19 @@ impl TransferEngine {
     /// [`DataplaneError::Backend`], [`DataplaneError::PeerGone`].
     pub async fn read(&self, req: &ReadRequest) -> Result<ReadOutcome> {
         let inner = &self.inner;
-        let (slot, remote_layout, peer_tx) = {
+        let (slot, remote_layout, peer_tx, hint) = {
             let peers = inner.peers.read().unwrap();
             let p = peers
                 .get(&req.peer_engine_id)
                 .ok_or_else(|| DataplaneError::UnknownPeer {
                     engine_id: req.peer_engine_id.clone(),
                 })?;
-            (p.slot, p.metadata.layout, p.tx.clone())
+            (
+                p.slot,
+                p.metadata.layout,
+                p.tx.clone(),
+                needs_serving_progress(&p.metadata.backend),
+            )
         };
         let local_layout = inner.cfg.layout;
         validate_pairs(&local_layout, &remote_layout, &req.blocks)?;
@@ -441,6 +446,11 @@ impl TransferEngine {
         let timeout_ms = req.timeout_ms.unwrap_or(inner.cfg.read_timeout_ms);
         let start = Instant::now();
         kvloop_common::usdt::read_post(&probe);
+        // Wake the owner's serving-side progress for about the READ's duration
+        // (estimated at 1 GB/s, a low rate for the paths kvloop runs on).
+        if hint {
+            let _ = peer_tx.send(Message::ReadHint { bytes });
+        }
         let (done, mut rx) = Completion::new();
         inner.backend.post_read(slot, &segs, done);
         let result = match tokio::time::timeout(Duration::from_millis(timeout_ms), &mut rx).await {
@@ -514,6 +524,24 @@ impl TransferEngine {
         v
     }
 
+    /// Asks a connected peer to keep its serving-side progress active for
+    /// about `bytes` at 1 GB/s (at most 1 s): what [`TransferEngine::read`]
+    /// does before each READ. For tools that READ the peer's memory by other
+    /// means (the raw baseline of `kvloop bench read`).
+    ///
+    /// # Errors
+    /// [`DataplaneError::UnknownPeer`] when there is no such peer.
+    pub fn hint_peer(&self, peer_engine_id: &str, bytes: u64) -> Result<()> {
+        let peers = self.inner.peers.read().unwrap();
+        let p = peers
+            .get(peer_engine_id)
+            .ok_or_else(|| DataplaneError::UnknownPeer {
+                engine_id: peer_engine_id.into(),
+            })?;
+        let _ = p.tx.send(Message::ReadHint { bytes });
+        Ok(())
+    }
+
     /// Sends a notification to a connected peer without a READ (for example
     /// to release blocks the reader decided not to read).
     ///
@@ -534,6 +562,15 @@ impl TransferEngine {
             reason: "side channel closed".into(),
         })
     }
+}
+
+/// Whether READs from an engine with this backend need its serving side to
+/// make progress (and so a [`Message::ReadHint`]): libfabric providers other
+/// than `shm` (`tcp;ofi_rxm` moves data only while the target polls; EFA's
+/// protocol path likewise). `shm` READs are done by the reader (CMA) and NIXL
+/// runs its own progress thread.
+fn needs_serving_progress(md: &crate::backend::BackendMetadata) -> bool {
+    matches!(md, crate::backend::BackendMetadata::Libfabric { provider, .. } if provider != "shm")
 }
 
 /// Checks every pair against both layouts, and that no local block is written
@@ -748,6 +785,10 @@ impl Inner {
                                 tracing::warn!(peer = %engine_id, error = %e, "bad notification ignored")
                             }
                         }
+                    }
+                    Ok(Some(Message::ReadHint { bytes })) => {
+                        let Some(inner) = weak.upgrade() else { return };
+                        inner.backend.kick(Duration::from_nanos(bytes));
                     }
                     Ok(Some(other)) => {
                         tracing::warn!(peer = %engine_id, message = ?other, "unexpected side-channel message ignored")

@@ -56,6 +56,15 @@ pub enum Message {
         /// Human-readable reason.
         reason: String,
     },
+    /// Sent by a reader just before it posts a READ of `bytes` from the
+    /// receiving engine: the owner's progress thread stays awake (spins) for
+    /// about as long as the READ should take, since providers such as
+    /// `tcp;ofi_rxm` move data only while the serving side progresses and a
+    /// one-sided READ gives the server no completion to wake up for.
+    ReadHint {
+        /// Bytes the READ will move.
+        bytes: u64,
+    },
     /// Owner notification `"<owner request id>:<count>"` (see [`crate::notify`]).
     Notify {
         /// The notification string.

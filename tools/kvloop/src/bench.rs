@@ -194,13 +194,16 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                 block_size_tokens: 16,
                 fill_tag: 0,
                 read_timeout_ms: 30_000,
+                busy_poll: false,
             };
             let child_args = eargs.child_args("bench-target", &format!("{addr_b}:0"), 7);
             let mut cmd = match &ns_b {
                 Some(ns) => NodePair::command_in(ns, &exe()?),
                 None => std::process::Command::new(exe()?),
             };
-            cmd.arg("node").args(&child_args);
+            // The serving process polls continuously, so that kvloop and the
+            // raw loop (which sends no read hints) READ from the same server.
+            cmd.arg("node").args(&child_args).arg("--busy-poll");
             let target = NodeChild::spawn(cmd)?;
             let engine = eargs.start().await?;
             engine.connect(target.side_channel().parse()?).await?;

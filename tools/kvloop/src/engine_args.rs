@@ -51,6 +51,9 @@ pub struct EngineArgs {
     /// Fill every block with the deterministic pattern of this tag (0: leave zeroed).
     #[arg(long, default_value_t = 0)]
     pub fill_tag: u64,
+    /// libfabric: poll the completion queue continuously (one busy core).
+    #[arg(long)]
+    pub busy_poll: bool,
     /// Default READ timeout, ms.
     #[arg(long, default_value_t = 5000)]
     pub read_timeout_ms: u64,
@@ -72,6 +75,7 @@ impl EngineArgs {
         match self.backend {
             BackendArg::Libfabric => BackendConfig::Libfabric(FabricConfig {
                 provider: self.provider.clone(),
+                busy_poll: self.busy_poll,
                 ..Default::default()
             }),
             BackendArg::Nixl => BackendConfig::Nixl(NixlConfig {
