@@ -15,7 +15,7 @@ export UCX_MODULES := ^ib*
 export LD_LIBRARY_PATH := $(NIXL_LIBS):$(LD_LIBRARY_PATH)
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: help bootstrap build test demo bench lint fmt
+.PHONY: help bootstrap build test demo demo-slow-link bench lint fmt
 
 help:
 	@echo "make demo   - run the main job (installs what it needs first)"
@@ -39,6 +39,10 @@ test: bootstrap
 
 demo: build
 	target/release/kvloop demo
+
+# The same loop with the D→P link slowed (tc tbf) mid-run.
+demo-slow-link: build
+	target/release/kvloop demo slow-link
 
 bench: build
 	target/release/kvloop bench read --nixl UCX
