@@ -56,17 +56,63 @@ fn both_directions(p: &mut NodeChild, d: &mut NodeChild) {
     assert_eq!(r["mismatched_blocks"], 0, "{r}");
 }
 
+/// Placement and layout of a test pair of `kvloop node`s: decode-0 (filled
+/// with tag 2) and prefill-0 (tag 1), on loopback or in a namespace pair
+/// (D in `ns_b`, P in `ns_a`).
+struct PairSpec<'a> {
+    backend: &'a str,
+    provider: &'a str,
+    blocks: u32,
+    p_block_bytes: u64,
+    d_block_bytes: u64,
+    netns: Option<&'a NodePair>,
+}
+
+impl<'a> PairSpec<'a> {
+    fn loopback(backend: &'a str, provider: &'a str, blocks: u32, block_bytes: u64) -> Self {
+        Self {
+            backend,
+            provider,
+            blocks,
+            p_block_bytes: block_bytes,
+            d_block_bytes: block_bytes,
+            netns: None,
+        }
+    }
+}
+
+/// Spawns decode-0 then prefill-0; returns (prefill, decode).
+fn spawn_pair(s: &PairSpec) -> (NodeChild, NodeChild) {
+    let node = |id: &str, tag: u64, block_bytes: u64, place: Option<(&str, std::net::Ipv4Addr)>| {
+        let ip = place.map_or("127.0.0.1".to_string(), |(_, a)| a.to_string());
+        let args = node_args(
+            id,
+            &format!("{ip}:0"),
+            s.backend,
+            s.provider,
+            s.blocks,
+            block_bytes,
+            tag,
+        );
+        NodeChild::spawn(node_cmd(place.map(|(ns, _)| ns), &args)).unwrap()
+    };
+    let d = node(
+        "decode-0",
+        2,
+        s.d_block_bytes,
+        s.netns.map(|p| (p.ns_b.as_str(), p.addr_b)),
+    );
+    let p = node(
+        "prefill-0",
+        1,
+        s.p_block_bytes,
+        s.netns.map(|p| (p.ns_a.as_str(), p.addr_a)),
+    );
+    (p, d)
+}
+
 fn loopback(backend: &str, provider: &str) {
-    let mut d = NodeChild::spawn(node_cmd(
-        None,
-        &node_args("decode-0", "127.0.0.1:0", backend, provider, 32, 65536, 2),
-    ))
-    .unwrap();
-    let mut p = NodeChild::spawn(node_cmd(
-        None,
-        &node_args("prefill-0", "127.0.0.1:0", backend, provider, 32, 65536, 1),
-    ))
-    .unwrap();
+    let (mut p, mut d) = spawn_pair(&PairSpec::loopback(backend, provider, 32, 65536));
     both_directions(&mut p, &mut d);
 }
 
@@ -90,32 +136,10 @@ fn across_namespaces(backend: &str, tag: u32) {
         return;
     }
     let pair = NodePair::create(tag).unwrap();
-    let mut d = NodeChild::spawn(node_cmd(
-        Some(&pair.ns_b),
-        &node_args(
-            "decode-0",
-            &format!("{}:0", pair.addr_b),
-            backend,
-            "tcp;ofi_rxm",
-            32,
-            65536,
-            2,
-        ),
-    ))
-    .unwrap();
-    let mut p = NodeChild::spawn(node_cmd(
-        Some(&pair.ns_a),
-        &node_args(
-            "prefill-0",
-            &format!("{}:0", pair.addr_a),
-            backend,
-            "tcp;ofi_rxm",
-            32,
-            65536,
-            1,
-        ),
-    ))
-    .unwrap();
+    let (mut p, mut d) = spawn_pair(&PairSpec {
+        netns: Some(&pair),
+        ..PairSpec::loopback(backend, "tcp;ofi_rxm", 32, 65536)
+    });
     assert!(d.side_channel().starts_with(&pair.addr_b.to_string()));
     both_directions(&mut p, &mut d);
 }
@@ -138,32 +162,10 @@ fn peer_killed_mid_read_fails_within_timeout() {
     let pair = NodePair::create(8000 + std::process::id() % 900).unwrap();
     // 48 blocks × 2 regions × 1 MiB = 96 MiB through a 40 Mbit/s link: ~20 s.
     pair.limit_rate_b("40mbit").unwrap();
-    let mut d = NodeChild::spawn(node_cmd(
-        Some(&pair.ns_b),
-        &node_args(
-            "decode-0",
-            &format!("{}:0", pair.addr_b),
-            "libfabric",
-            "tcp;ofi_rxm",
-            48,
-            1 << 20,
-            2,
-        ),
-    ))
-    .unwrap();
-    let mut p = NodeChild::spawn(node_cmd(
-        Some(&pair.ns_a),
-        &node_args(
-            "prefill-0",
-            &format!("{}:0", pair.addr_a),
-            "libfabric",
-            "tcp;ofi_rxm",
-            48,
-            1 << 20,
-            1,
-        ),
-    ))
-    .unwrap();
+    let (mut p, mut d) = spawn_pair(&PairSpec {
+        netns: Some(&pair),
+        ..PairSpec::loopback("libfabric", "tcp;ofi_rxm", 48, 1 << 20)
+    });
     p.send(&json!({"cmd": "connect", "addr": d.side_channel()}))
         .unwrap();
     p.wait_event("connected", T).unwrap();
@@ -198,32 +200,7 @@ fn peer_killed_mid_read_fails_within_timeout() {
 
 #[test]
 fn out_of_range_and_foreign_descriptors_are_refused_before_posting() {
-    let d = NodeChild::spawn(node_cmd(
-        None,
-        &node_args(
-            "decode-0",
-            "127.0.0.1:0",
-            "libfabric",
-            "tcp;ofi_rxm",
-            8,
-            4096,
-            2,
-        ),
-    ))
-    .unwrap();
-    let mut p = NodeChild::spawn(node_cmd(
-        None,
-        &node_args(
-            "prefill-0",
-            "127.0.0.1:0",
-            "libfabric",
-            "tcp;ofi_rxm",
-            8,
-            4096,
-            1,
-        ),
-    ))
-    .unwrap();
+    let (mut p, d) = spawn_pair(&PairSpec::loopback("libfabric", "tcp;ofi_rxm", 8, 4096));
     p.send(&json!({"cmd": "connect", "addr": d.side_channel()}))
         .unwrap();
     p.wait_event("connected", T).unwrap();
@@ -263,32 +240,10 @@ fn out_of_range_and_foreign_descriptors_are_refused_before_posting() {
 
 #[test]
 fn mismatched_layouts_are_refused_at_handshake() {
-    let mut d = NodeChild::spawn(node_cmd(
-        None,
-        &node_args(
-            "decode-0",
-            "127.0.0.1:0",
-            "libfabric",
-            "tcp;ofi_rxm",
-            8,
-            32768,
-            2,
-        ),
-    ))
-    .unwrap();
-    let mut p = NodeChild::spawn(node_cmd(
-        None,
-        &node_args(
-            "prefill-0",
-            "127.0.0.1:0",
-            "libfabric",
-            "tcp;ofi_rxm",
-            8,
-            65536,
-            1,
-        ),
-    ))
-    .unwrap();
+    let (mut p, mut d) = spawn_pair(&PairSpec {
+        d_block_bytes: 32768,
+        ..PairSpec::loopback("libfabric", "tcp;ofi_rxm", 8, 65536)
+    });
     p.send(&json!({"cmd": "connect", "addr": d.side_channel()}))
         .unwrap();
     let err = p.wait_event("connected", T).unwrap_err().to_string();
