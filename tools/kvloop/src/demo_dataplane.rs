@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use clap::Args;
 use kvloop_cli::child::NodeChild;
+use kvloop_cli::engine_args::{BackendArg, EngineArgs};
 use kvloop_cli::netns::NodePair;
 use serde_json::json;
 
@@ -67,37 +68,33 @@ pub fn run(a: DemoDataplaneArgs) -> Result<()> {
     let mut total_bad = 0u64;
     for (backend, provider) in backends {
         let nb = (2 * a.blocks).max(8);
+        let engine = EngineArgs {
+            engine_id: String::new(),
+            listen: "127.0.0.1:0".parse()?,
+            backend: if backend == "nixl" {
+                BackendArg::Nixl
+            } else {
+                BackendArg::Libfabric
+            },
+            provider: if backend == "libfabric" {
+                provider
+            } else {
+                "tcp;ofi_rxm"
+            }
+            .into(),
+            nixl_plugin: if backend == "nixl" { provider } else { "UCX" }.into(),
+            num_regions: a.regions,
+            num_blocks: nb as u32,
+            block_bytes: a.block_bytes,
+            block_size_tokens: 16,
+            fill_tag: 0,
+            busy_poll: false,
+            read_timeout_ms: 5000,
+        };
         let args = |id: &str, ip: &str, tag: u64| -> Vec<String> {
-            [
-                "node",
-                "--engine-id",
-                id,
-                "--listen",
-                &format!("{ip}:0"),
-                "--backend",
-                backend,
-                "--provider",
-                if backend == "libfabric" {
-                    provider
-                } else {
-                    "tcp;ofi_rxm"
-                },
-                "--nixl-plugin",
-                if backend == "nixl" { provider } else { "UCX" },
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([
-                "--num-regions".into(),
-                a.regions.to_string(),
-                "--num-blocks".into(),
-                nb.to_string(),
-                "--block-bytes".into(),
-                a.block_bytes.to_string(),
-                "--fill-tag".into(),
-                tag.to_string(),
-            ])
-            .collect()
+            std::iter::once("node".to_string())
+                .chain(engine.child_args(id, &format!("{ip}:0"), tag))
+                .collect()
         };
         let cmd = |ns: &Option<String>, v: Vec<String>| {
             let mut c = match ns {
