@@ -693,7 +693,10 @@ impl FabricBackend {
         self.shared.ep.mr_mode
     }
 
-    fn finish_op(shared: &Shared, read_id: u64, err: Option<DataplaneError>) {
+    /// Accounts `ops` operations of READ `read_id` as finished (completed, or
+    /// never posted), keeping the first error; resolves the READ when none
+    /// remain.
+    fn finish_ops(shared: &Shared, read_id: u64, ops: usize, err: Option<DataplaneError>) {
         let mut pending = shared.pending.lock().unwrap();
         let Some(p) = pending.get_mut(&read_id) else {
             return;
@@ -701,7 +704,7 @@ impl FabricBackend {
         if p.error.is_none() {
             p.error = err;
         }
-        p.remaining -= 1;
+        p.remaining -= ops;
         if p.remaining == 0 {
             let p = pending.remove(&read_id).unwrap();
             drop(pending);
@@ -734,7 +737,7 @@ fn progress_loop(s: &Shared) {
                 // SAFETY: every context we post is a Box<OpCtx> leaked at post time.
                 let op = unsafe { Box::from_raw(ctx as *mut OpCtx) };
                 s.outstanding.fetch_sub(1, Ordering::AcqRel);
-                FabricBackend::finish_op(s, op.read_id, err);
+                FabricBackend::finish_ops(s, op.read_id, 1, err);
             }
             continue;
         }
@@ -1004,18 +1007,7 @@ impl TransferBackend for FabricBackend {
                     message: fi_error_string(ret as i64),
                 };
                 // Account for this and every group not posted.
-                let mut pending = s.pending.lock().unwrap();
-                if let Some(p) = pending.get_mut(&read_id) {
-                    p.error.get_or_insert(err);
-                    p.remaining -= total - gi;
-                    if p.remaining == 0 {
-                        let p = pending.remove(&read_id).unwrap();
-                        drop(pending);
-                        if let Some(d) = p.done {
-                            d.complete(Err(p.error.unwrap()));
-                        }
-                    }
-                }
+                FabricBackend::finish_ops(s, read_id, total - gi, Some(err));
                 break;
             }
         }
