@@ -7,38 +7,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-/// Whether tests run in CI (`CI=true`): a missing real dependency fails there.
-pub fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// Root check: outside CI a test without root says so and returns false; in
-/// CI it fails.
-pub fn have_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    assert!(
-        !in_ci(),
-        "{test}: needs root and CI=true: failing instead of skipping"
-    );
-    eprintln!("SKIPPED {test}: needs root (network namespaces, tc)");
-    false
-}
-
-/// A workspace binary next to the test executable (`target/<profile>/<name>`).
-pub fn workspace_bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let p = dir.join(name);
-    assert!(
-        p.exists(),
-        "{} not found: build the workspace binaries first (`cargo build --workspace --bins`, as `make test` does)",
-        p.display()
-    );
-    p
-}
+// Shared with the workspace's end-to-end tests (`tests/src/lib.rs`): CI
+// policy (a missing real dependency fails under CI=true) and binary lookup.
+// Each test file includes this module and uses a different subset.
+#[allow(unused_imports)]
+pub use kvloop_tests::{bin as workspace_bin, have_root, in_ci};
 
 /// A free TCP port on `ip` (bound then released).
 pub fn free_port(ip: &str) -> u16 {
