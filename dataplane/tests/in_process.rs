@@ -1,5 +1,7 @@
 //! Two engines in one process, over real providers: READs both ways with
 //! byte-exact verification, notifications, bounds checks, refused handshakes.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use kvloop_common::Direction;
@@ -263,4 +265,101 @@ async fn dropping_an_engine_with_a_read_in_flight_is_safe() {
     .await
     .unwrap();
     check_block(&p, 6, 2, 5);
+}
+
+/// A peer that goes away while this engine keeps READing from it (a peer
+/// agent exiting while it is probed): the side channel's close removes the
+/// peer concurrently with READs being posted to it. Each READ either
+/// completes or fails (peer gone, timeout); the process does not crash, and
+/// a new peer under the same id is served afterwards. Bounded: 6 rounds of
+/// at most 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_leaving_while_reads_are_posted_to_it_is_safe() {
+    let b = BackendConfig::Libfabric(FabricConfig {
+        provider: "tcp;ofi_rxm".into(),
+        ..Default::default()
+    });
+    let l = KvLayout {
+        num_regions: 1,
+        num_blocks: 32,
+        block_len_bytes: 64 << 10,
+        block_size_tokens: 16,
+    };
+    let reader = engine("p-reader", b.clone(), l, 1).await;
+    for round in 0..6u64 {
+        let owner = engine("d-leaving", b.clone(), l, 2).await;
+        reader.connect(owner.side_channel_addr()).await.unwrap();
+        let r2 = reader.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU32::new(0));
+        let (stop2, ok2) = (stop.clone(), ok.clone());
+        let reads = tokio::spawn(async move {
+            let mut failed = 0u32;
+            let t0 = std::time::Instant::now();
+            while !stop2.load(Ordering::Relaxed) && t0.elapsed() < Duration::from_secs(3) {
+                let r = r2
+                    .read(&ReadRequest {
+                        peer_engine_id: "d-leaving".into(),
+                        blocks: (0..8)
+                            .map(|i| BlockPair {
+                                remote: i,
+                                local: i,
+                            })
+                            .collect(),
+                        direction: Direction::Probe,
+                        notify: None,
+                        timeout_ms: Some(500),
+                    })
+                    .await;
+                if r.is_ok() {
+                    ok2.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    failed += 1;
+                }
+            }
+            failed
+        });
+        // Leave while READs are being posted: after the first completed
+        // one, at a different point of the loop each round.
+        for _ in 0..200 {
+            if ok.load(Ordering::Relaxed) > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(3 * round)).await;
+        tokio::task::spawn_blocking(move || drop(owner))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.store(true, Ordering::Relaxed);
+        let failed = reads.await.unwrap();
+        let ok = ok.load(Ordering::Relaxed);
+        assert!(
+            ok > 0,
+            "round {round}: no READ completed before the peer left"
+        );
+        assert!(
+            failed > 0,
+            "round {round}: READs to a peer that left kept succeeding ({ok})"
+        );
+        assert!(reader.peer_metadata("d-leaving").is_none());
+    }
+    // A new peer under the same id is read correctly.
+    let owner = engine("d-leaving", b, l, 2).await;
+    reader.connect(owner.side_channel_addr()).await.unwrap();
+    reader
+        .read(&ReadRequest {
+            peer_engine_id: "d-leaving".into(),
+            blocks: vec![BlockPair {
+                remote: 3,
+                local: 4,
+            }],
+            direction: Direction::DecodeToPrefill,
+            notify: None,
+            timeout_ms: None,
+        })
+        .await
+        .unwrap();
+    check_block(&reader, 4, 2, 3);
 }

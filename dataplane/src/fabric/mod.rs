@@ -584,13 +584,26 @@ struct Pending {
 struct PeerEntry {
     fi_addr: u64,
     regions: Vec<RemoteRegion>,
+    /// Set when the peer is being removed: a READ retrying `-FI_EAGAIN` on
+    /// it (a dead connection never drains) gives up instead of holding the
+    /// peer table for the whole retry window.
+    gone: AtomicBool,
 }
 
 struct Shared {
     // Field order is drop order: registrations close before the endpoint.
     mrs: Vec<Mr>,
     ep: Endpoint,
+    /// Peers by slot. READs are posted under the read lock, so a peer is
+    /// never removed while one of its READs is being posted.
     peers: RwLock<Vec<Option<PeerEntry>>>,
+    /// AV entries of removed peers, handed to `fi_av_remove` only once no
+    /// operation is outstanding: removing an address under in-flight READs
+    /// to it crashes inside tcp;ofi_rxm (seen on libfabric 1.17 when a peer
+    /// agent exited while this one was probing it).
+    retired: Mutex<Vec<u64>>,
+    /// `retired` is not empty (checked by the progress loop without locking).
+    retired_any: AtomicBool,
     pending: Mutex<HashMap<u64, Pending>>,
     outstanding: AtomicUsize,
     next_read: AtomicU64,
@@ -605,6 +618,23 @@ struct Shared {
 }
 
 impl Shared {
+    /// Removes retired AV entries if nothing is outstanding.
+    fn reap_retired(&self) {
+        if self.outstanding.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let mut r = self.retired.lock().unwrap();
+        // Re-check under the lock: a READ to a retired address cannot be
+        // posted any more (its slot is gone), so `outstanding` reaching 0
+        // means the retired addresses carry nothing in flight.
+        if self.outstanding.load(Ordering::Acquire) == 0 {
+            for fi_addr in r.drain(..) {
+                self.ep.remove_peer(fi_addr);
+            }
+            self.retired_any.store(false, Ordering::Release);
+        }
+    }
+
     fn wake(&self) {
         if let Some(t) = self.progress_thread.lock().unwrap().as_ref() {
             t.unpark();
@@ -655,6 +685,8 @@ impl FabricBackend {
             ep,
             mrs,
             peers: RwLock::new(Vec::new()),
+            retired: Mutex::new(Vec::new()),
+            retired_any: AtomicBool::new(false),
             pending: Mutex::new(HashMap::new()),
             outstanding: AtomicUsize::new(0),
             next_read: AtomicU64::new(1),
@@ -746,6 +778,9 @@ fn progress_loop(s: &Shared) {
             sleep = min_sleep;
             std::hint::spin_loop();
             continue;
+        }
+        if s.retired_any.load(Ordering::Acquire) {
+            s.reap_retired();
         }
         if s.cfg.busy_poll
             || last_activity.elapsed() < spin
@@ -852,6 +887,7 @@ impl TransferBackend for FabricBackend {
         peers.push(Some(PeerEntry {
             fi_addr,
             regions: regions.clone(),
+            gone: AtomicBool::new(false),
         }));
         Ok(PeerSlot(peers.len() - 1))
     }
@@ -860,12 +896,25 @@ impl TransferBackend for FabricBackend {
         if let Some(p) = self
             .shared
             .peers
+            .read()
+            .unwrap()
+            .get(slot.0)
+            .and_then(Option::as_ref)
+        {
+            p.gone.store(true, Ordering::Release);
+        }
+        // The write lock waits for READs being posted to finish posting.
+        let gone = self
+            .shared
+            .peers
             .write()
             .unwrap()
             .get_mut(slot.0)
-            .and_then(Option::take)
-        {
-            self.shared.ep.remove_peer(p.fi_addr);
+            .and_then(Option::take);
+        if let Some(p) = gone {
+            self.shared.retired.lock().unwrap().push(p.fi_addr);
+            self.shared.retired_any.store(true, Ordering::Release);
+            self.shared.reap_retired();
         }
     }
 
@@ -897,19 +946,20 @@ impl TransferBackend for FabricBackend {
     fn post_read(&self, slot: PeerSlot, segments: &[Segment], done: Completion) {
         let s = &*self.shared;
         let limits = s.ep.limits;
-        let (fi_addr, remote_regions) = {
-            let peers = s.peers.read().unwrap();
-            match peers.get(slot.0).and_then(Option::as_ref) {
-                Some(p) => (p.fi_addr, p.regions.clone()),
-                None => {
-                    done.complete(Err(DataplaneError::PeerGone {
-                        engine_id: format!("slot {}", slot.0),
-                        reason: "peer removed".into(),
-                    }));
-                    return;
-                }
+        // Held until every group is posted: the peer's AV entry stays valid.
+        let peers = s.peers.read().unwrap();
+        let peer = match peers.get(slot.0).and_then(Option::as_ref) {
+            Some(p) => p,
+            None => {
+                drop(peers);
+                done.complete(Err(DataplaneError::PeerGone {
+                    engine_id: format!("slot {}", slot.0),
+                    reason: "peer removed".into(),
+                }));
+                return;
             }
         };
+        let (fi_addr, remote_regions) = (peer.fi_addr, &peer.regions);
         // Chunk segments to the message size, then group up to
         // `iovs_per_read` chunks per fi_readmsg.
         let max = limits.max_msg_bytes.max(4096);
@@ -989,7 +1039,10 @@ impl TransferBackend for FabricBackend {
                 let r = unsafe {
                     s.ep.post(fi_addr, &local, &mut descs, &rma, ctx as *mut c_void)
                 };
-                if r == -(sys::FI_EAGAIN as isize) && Instant::now() < deadline {
+                if r == -(sys::FI_EAGAIN as isize)
+                    && Instant::now() < deadline
+                    && !peer.gone.load(Ordering::Acquire)
+                {
                     s.wake();
                     std::thread::yield_now();
                     continue;
@@ -1000,11 +1053,18 @@ impl TransferBackend for FabricBackend {
                 s.outstanding.fetch_sub(1, Ordering::AcqRel);
                 // SAFETY: not posted; reclaim the context.
                 drop(unsafe { Box::from_raw(ctx) });
-                let err = DataplaneError::Backend {
-                    backend: s.ep.name(),
-                    op: "fi_readmsg",
-                    code: ret as i64,
-                    message: fi_error_string(ret as i64),
+                let err = if peer.gone.load(Ordering::Acquire) {
+                    DataplaneError::PeerGone {
+                        engine_id: format!("slot {}", slot.0),
+                        reason: "peer disconnected while the READ was being posted".into(),
+                    }
+                } else {
+                    DataplaneError::Backend {
+                        backend: s.ep.name(),
+                        op: "fi_readmsg",
+                        code: ret as i64,
+                        message: fi_error_string(ret as i64),
+                    }
                 };
                 // Account for this and every group not posted.
                 FabricBackend::finish_ops(s, read_id, total - gi, Some(err));
