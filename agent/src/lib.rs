@@ -1,9 +1,9 @@
 //! kvloop's per-node agent (`kvloop-agent`).
 //!
 //! * [`agent`]: shared state; hosted engines (managed mode), leases, events.
-//! * [`proto`] / [`server`] / [`client`]: the local API on a Unix socket
-//!   (length-prefixed JSON, memfds by `SCM_RIGHTS`, `SO_PEERCRED` check) and
-//!   its client library for engines ([`client::AgentClient`]).
+//! * [`server`]: the local API on a Unix socket (`SO_PEERCRED` check); its
+//!   wire types ([`proto`]) and the client library engines link
+//!   ([`client::AgentClient`]) live in `kvloop-agent-api`, re-exported here.
 //! * [`lease`]: pure lease table (TTL, reader renewals, safety margin).
 //! * [`tasks`]: peer discovery, active probes, cost model updates,
 //!   threshold pushes, eBPF sample drain.
@@ -16,16 +16,16 @@
 pub mod agent;
 pub mod caps;
 pub mod check;
-pub mod client;
 pub mod config;
 pub mod cuda;
 pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod netstate;
-pub mod proto;
 pub mod server;
 pub mod tasks;
+
+pub use kvloop_agent_api::{client, proto};
 
 pub use agent::Agent;
 pub use client::AgentClient;

@@ -2,9 +2,9 @@
 //! `tools/engine-sim` and by a vLLM-side connector).
 //!
 //! ```no_run
-//! # async fn f() -> Result<(), kvloop_agent::client::ClientError> {
-//! use kvloop_agent::client::AgentClient;
-//! use kvloop_agent::proto::ReadDirection;
+//! # async fn f() -> Result<(), kvloop_agent_api::client::ClientError> {
+//! use kvloop_agent_api::client::AgentClient;
+//! use kvloop_agent_api::proto::ReadDirection;
 //! use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
 //!
 //! let layout = KvLayout { num_regions: 2, num_blocks: 64, block_len_bytes: 65536, block_size_tokens: 16 };
