@@ -496,10 +496,11 @@ impl Agent {
                 )
             })?;
             let lease_ms = self.cfg.lease.max_lease_ms;
-            if let Err(err) = self
+            let checked = self
                 .renew(peer_engine_id, &req.owner_request_id, lease_ms)
                 .await
-            {
+                .and_then(|lease| lease_covers(&lease, &blocks));
+            if let Err(err) = checked {
                 self.metrics
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "declined")]))
@@ -642,12 +643,19 @@ impl Agent {
         if self.engines.read().unwrap().contains_key(owner_engine_id) {
             return self.renew_local(owner_engine_id, request_id, lease_ms);
         }
-        let peer = self.peer_of_engine(owner_engine_id).ok_or_else(|| {
-            ApiError::new(
-                "unknown_engine",
-                format!("peer_engine_id `{owner_engine_id}`: no known agent hosts it (peers[] of the config)"),
-            )
-        })?;
+        let peer = match self.peer_of_engine(owner_engine_id) {
+            Some(p) => p,
+            None => {
+                // Registered since the last periodic discovery: ask the peers now.
+                crate::tasks::refresh_peers(self).await;
+                self.peer_of_engine(owner_engine_id).ok_or_else(|| {
+                    ApiError::new(
+                        "unknown_engine",
+                        format!("peer_engine_id `{owner_engine_id}`: no known agent hosts it (peers[] of the config)"),
+                    )
+                })?
+            }
+        };
         let http = self.peers.read().unwrap().get(&peer).and_then(|p| p.http);
         let http = http.ok_or_else(|| {
             ApiError::new("internal", format!("peer `{peer}` has no HTTP address"))
@@ -899,4 +907,72 @@ impl Agent {
 
 fn lease_err(e: LeaseError) -> ApiError {
     ApiError::new("lease", e.to_string())
+}
+
+/// A READ checked against the owner's lease may only name blocks the lease
+/// retains: params that name other blocks (stale, or not this request's)
+/// are declined rather than served from the wrong blocks.
+///
+/// # Errors
+/// `lease`, naming the first block pair the lease does not cover.
+fn lease_covers(lease: &LeaseInfo, blocks: &[kvloop_dataplane::BlockPair]) -> Result<(), ApiError> {
+    match blocks
+        .iter()
+        .enumerate()
+        .find(|(_, b)| !lease.block_ids.contains(&b.remote))
+    {
+        None => Ok(()),
+        Some((i, b)) => Err(ApiError::new(
+            "lease",
+            format!(
+                "blocks[{i}].remote = {}: not retained under request `{}` of engine `{}` (it retains {} blocks)",
+                b.remote,
+                lease.request_id,
+                lease.engine_id,
+                lease.block_ids.len()
+            ),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvloop_dataplane::BlockPair;
+
+    #[test]
+    fn a_checked_read_names_only_retained_blocks() {
+        let lease = LeaseInfo {
+            engine_id: "d0".into(),
+            request_id: "r1".into(),
+            block_ids: vec![4, 5, 9],
+            expires_in_ms: 10_000,
+            notifications: 0,
+        };
+        let ok = [
+            BlockPair {
+                remote: 9,
+                local: 0,
+            },
+            BlockPair {
+                remote: 4,
+                local: 1,
+            },
+        ];
+        assert!(lease_covers(&lease, &ok).is_ok());
+        let bad = [
+            BlockPair {
+                remote: 5,
+                local: 0,
+            },
+            BlockPair {
+                remote: 6,
+                local: 1,
+            },
+        ];
+        let e = lease_covers(&lease, &bad).unwrap_err();
+        assert_eq!(e.kind, "lease");
+        assert!(e.message.contains("blocks[1].remote = 6"), "{}", e.message);
+        assert!(e.message.contains("`r1`"), "{}", e.message);
+    }
 }

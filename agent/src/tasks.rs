@@ -33,70 +33,77 @@ pub fn spawn_all(agent: &Arc<Agent>) -> Vec<AbortOnDrop> {
     v
 }
 
-/// Asks every peer agent for its engines; connects the probe engine to
-/// each peer's probe engine.
+/// Asks every peer agent for its engines every second; connects the probe
+/// engine to each peer's probe engine.
 async fn discovery_loop(agent: Arc<Agent>) {
     let mut tick = tokio::time::interval(Duration::from_millis(1000));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let peers: Vec<(String, std::net::SocketAddr)> = agent
-            .peers
-            .read()
-            .unwrap()
-            .iter()
-            .filter_map(|(n, p)| p.http.map(|h| (n.clone(), h)))
-            .collect();
-        for (name, http) in peers {
-            let url = format!("http://{http}/v1/engines");
-            let info = match agent.http.get(&url).send().await {
-                Ok(r) if r.status().is_success() => r.json::<EnginesInfo>().await.ok(),
-                Ok(r) => {
-                    tracing::debug!(peer = %name, status = %r.status(), "peer engines query failed");
-                    None
-                }
-                Err(e) => {
-                    tracing::debug!(peer = %name, error = %e, "peer unreachable");
-                    None
-                }
-            };
-            let Some(info) = info else { continue };
-            let own_probe = agent.probe_engine.as_ref().map(|e| e.side_channel_addr());
-            if info.agent_id == agent.cfg.agent_id
-                || (own_probe.is_some() && info.probe.as_ref().map(|p| p.side_channel) == own_probe)
-            {
-                // A peers[] entry that reaches this agent itself under another
-                // name or address (a shared peer list): never probe oneself.
-                tracing::info!(peer = %name, %http, "peers[]: entry is this agent itself; skipped");
-                agent.peers.write().unwrap().remove(&name);
-                agent
-                    .metrics
-                    .path_valid
-                    .remove(&labels(&[("peer", name.as_str())]));
-                continue;
+        refresh_peers(&agent).await;
+    }
+}
+
+/// Asks every peer agent for its engines once (`GET /v1/engines`); also
+/// called on demand when a READ names an engine no known peer hosts (an
+/// engine registered since the last periodic query).
+pub async fn refresh_peers(agent: &Agent) {
+    let peers: Vec<(String, std::net::SocketAddr)> = agent
+        .peers
+        .read()
+        .unwrap()
+        .iter()
+        .filter_map(|(n, p)| p.http.map(|h| (n.clone(), h)))
+        .collect();
+    for (name, http) in peers {
+        discover_peer(agent, &name, http).await;
+    }
+}
+
+/// Queries one peer agent's engines and records them.
+async fn discover_peer(agent: &Agent, name: &str, http: std::net::SocketAddr) {
+    let url = format!("http://{http}/v1/engines");
+    let info = match agent.http.get(&url).send().await {
+        Ok(r) if r.status().is_success() => r.json::<EnginesInfo>().await.ok(),
+        Ok(r) => {
+            tracing::debug!(peer = %name, status = %r.status(), "peer engines query failed");
+            None
+        }
+        Err(e) => {
+            tracing::debug!(peer = %name, error = %e, "peer unreachable");
+            None
+        }
+    };
+    let Some(info) = info else { return };
+    let own_probe = agent.probe_engine.as_ref().map(|e| e.side_channel_addr());
+    if info.agent_id == agent.cfg.agent_id
+        || (own_probe.is_some() && info.probe.as_ref().map(|p| p.side_channel) == own_probe)
+    {
+        // A peers[] entry that reaches this agent itself under another
+        // name or address (a shared peer list): never probe oneself.
+        tracing::info!(peer = %name, %http, "peers[]: entry is this agent itself; skipped");
+        agent.peers.write().unwrap().remove(name);
+        agent.metrics.path_valid.remove(&labels(&[("peer", name)]));
+        return;
+    }
+    if info.version != crate::http::API_VERSION {
+        tracing::warn!(peer = %name, version = info.version, "peer speaks another agent API version; ignored");
+        return;
+    }
+    if let (Some(pe), Some(theirs)) = (&agent.probe_engine, &info.probe)
+        && !pe.peers().contains(&theirs.engine_id)
+    {
+        match pe.connect(theirs.side_channel).await {
+            Ok(_) => {
+                tracing::info!(peer = %name, side_channel = %theirs.side_channel, "probe path connected")
             }
-            if info.version != crate::http::API_VERSION {
-                tracing::warn!(peer = %name, version = info.version, "peer speaks another agent API version; ignored");
-                continue;
-            }
-            if let (Some(pe), Some(theirs)) = (&agent.probe_engine, &info.probe)
-                && !pe.peers().contains(&theirs.engine_id)
-            {
-                {
-                    match pe.connect(theirs.side_channel).await {
-                        Ok(_) => {
-                            tracing::info!(peer = %name, side_channel = %theirs.side_channel, "probe path connected")
-                        }
-                        Err(e) => {
-                            tracing::warn!(peer = %name, error = %e, "probe path connect failed")
-                        }
-                    }
-                }
-            }
-            if let Some(p) = agent.peers.write().unwrap().get_mut(&name) {
-                p.info = Some(info);
+            Err(e) => {
+                tracing::warn!(peer = %name, error = %e, "probe path connect failed")
             }
         }
+    }
+    if let Some(p) = agent.peers.write().unwrap().get_mut(name) {
+        p.info = Some(info);
     }
 }
 
