@@ -41,9 +41,13 @@ pub struct BenchMultiturnArgs {
     /// Agentic: user turns (requests) per conversation.
     #[arg(long, default_value_t = 4)]
     pub turns: usize,
-    /// Agentic: tokens of each later turn's tool output.
+    /// Agentic: tokens of each later turn's tool output, at least.
     #[arg(long, default_value_t = 512)]
     pub tool_output_tokens: u64,
+    /// Agentic: each later turn's tool output is also at least this
+    /// fraction of the conversation's prefix (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub tool_output_fraction: f64,
     /// Agentic: tokens of each reference answer (max_tokens).
     #[arg(long, default_value_t = 64)]
     pub answer_tokens: u64,
@@ -123,6 +127,7 @@ pub async fn run(a: BenchMultiturnArgs) -> Result<()> {
                 conversations_per_prefix: a.conversations_per_prefix,
                 user_turns: a.turns,
                 tool_output_tokens: a.tool_output_tokens,
+                tool_output_fraction: a.tool_output_fraction,
                 answer_tokens: a.answer_tokens,
                 seed: a.seed,
             };

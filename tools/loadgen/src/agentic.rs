@@ -3,8 +3,9 @@
 //! Each conversation looks like a coding agent's session: a system prompt, a
 //! first user turn with a task and the files "opened so far" (real files, cut
 //! so that the first request has about `prefix_tokens` prompt tokens), then
-//! further user turns that each carry one more tool result (`cat <file>`, up
-//! to `tool_output_tokens`) and a follow-up question. Assistant messages are
+//! further user turns that each carry one more tool result (`cat <file>`,
+//! about `max(tool_output_tokens, tool_output_fraction × prefix)` tokens,
+//! several files when one is too short) and a follow-up question. Assistant messages are
 //! references of `answer_tokens` tokens (the client uses their length as
 //! `max_tokens` and sends the server's real answers as history).
 //!
@@ -141,7 +142,7 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<(PathBuf, String)>) {
 }
 
 /// Shape of the generated conversations.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AgenticSpec {
     /// Target prompt tokens of each conversation's first request (system +
     /// first user turn, counted with [`TokenCounter::count_chat`]); the first
@@ -152,12 +153,27 @@ pub struct AgenticSpec {
     pub conversations_per_prefix: usize,
     /// User turns (requests) per conversation, >= 1.
     pub user_turns: usize,
-    /// Tokens of each later turn's tool output.
+    /// Tokens of each later turn's tool output (at least).
     pub tool_output_tokens: u64,
+    /// Each later turn's tool output is also at least this fraction of the
+    /// conversation's prefix (0 = off), so that the new part of a turn grows
+    /// with the conversation as in the published runs: their ON TTFTs imply
+    /// about 9k new of 24k tokens for Qwen3-32B and 4k of 20k for GLM-5-FP8
+    /// (see kvloop-engine-sim's `profile` module).
+    pub tool_output_fraction: f64,
     /// Tokens of each reference answer (`max_tokens` per request).
     pub answer_tokens: u64,
     /// Seed of the ChaCha8 stream choosing files, tasks and questions.
     pub seed: u64,
+}
+
+impl AgenticSpec {
+    /// Tokens of a later turn's tool output in a conversation of `prefix`
+    /// tokens: `max(tool_output_tokens, tool_output_fraction × prefix)`.
+    pub fn tool_output_tokens_for(&self, prefix: u64) -> u64 {
+        self.tool_output_tokens
+            .max((self.tool_output_fraction * prefix as f64).round() as u64)
+    }
 }
 
 impl Default for AgenticSpec {
@@ -169,6 +185,7 @@ impl Default for AgenticSpec {
             conversations_per_prefix: 2,
             user_turns: 4,
             tool_output_tokens: 512,
+            tool_output_fraction: 0.0,
             answer_tokens: 64,
             seed: 0,
         }
@@ -223,6 +240,16 @@ pub fn generate_agentic(
         return Err(LoadgenError::Config {
             field: "user_turns".into(),
             message: "must be >= 1".into(),
+        });
+    }
+    if !(spec.tool_output_fraction.is_finite() && (0.0..=4.0).contains(&spec.tool_output_fraction))
+    {
+        return Err(LoadgenError::Config {
+            field: "tool_output_fraction".into(),
+            message: format!(
+                "expected a number in 0..=4 (fraction of the prefix), got {}",
+                spec.tool_output_fraction
+            ),
         });
     }
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
@@ -310,19 +337,25 @@ fn one_conversation(
         if turn + 1 == spec.user_turns {
             break;
         }
-        let (block, q) = loop {
+        let want = spec.tool_output_tokens_for(prefix as u64) as usize;
+        let mut block = String::new();
+        let mut got = 0;
+        while got < want {
             let (path, display) = pick_file(corpus, rng);
-            if let Some((cut, _)) = file_cut(tok, path, spec.tool_output_tokens as usize) {
-                break (
-                    tool_block(display, &cut),
-                    *FOLLOW_UPS.choose(rng).expect("follow-ups"),
-                );
+            match file_cut(tok, path, want - got) {
+                Some((cut, n)) if n > 0 => {
+                    block.push_str(&tool_block(display, &cut));
+                    got += n;
+                }
+                _ => {
+                    misses += 1;
+                    if misses > 256 {
+                        return Err(no_files());
+                    }
+                }
             }
-            misses += 1;
-            if misses > 256 {
-                return Err(no_files());
-            }
-        };
+        }
+        let q = *FOLLOW_UPS.choose(rng).expect("follow-ups");
         messages.push(Message::new("user", format!("Tool result:\n{block}{q}")));
     }
     Ok(Conversation { id, messages })

@@ -22,6 +22,7 @@ fn deterministic_for_a_seed_and_sized_to_the_prefix() {
         conversations_per_prefix: 2,
         user_turns: 3,
         tool_output_tokens: 300,
+        tool_output_fraction: 0.0,
         answer_tokens: 40,
         seed: 11,
     };
@@ -129,4 +130,39 @@ fn empty_roots_are_an_error() {
     let e = SourceCorpus::discover(std::slice::from_ref(&dir), 10).unwrap_err();
     assert!(e.to_string().contains("no source files"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn tool_outputs_grow_with_the_prefix_when_a_fraction_is_set() {
+    let tok = TokenCounter::default_counter();
+    let corpus = workspace_corpus();
+    let spec = AgenticSpec {
+        prefix_tokens: vec![2048, 8192],
+        conversations_per_prefix: 1,
+        user_turns: 2,
+        tool_output_tokens: 100,
+        tool_output_fraction: 0.25,
+        answer_tokens: 20,
+        seed: 3,
+    };
+    assert_eq!(spec.tool_output_tokens_for(8192), 2048);
+    assert_eq!(spec.tool_output_tokens_for(100), 100);
+    let convs = generate_agentic(&spec, &corpus, &tok).unwrap();
+    for (c, prefix) in convs.iter().zip([2048usize, 8192]) {
+        // The later user turn: tool blocks of about a quarter of the prefix
+        // (several files when one is short), plus wrappers and a question.
+        let later = tok.count(&c.messages[3].content);
+        let want = prefix / 4;
+        assert!(
+            later >= want * 95 / 100 && later <= want + want / 4 + 200,
+            "{}: later turn {later} tokens, want about {want}",
+            c.id
+        );
+    }
+    let bad = AgenticSpec {
+        tool_output_fraction: f64::NAN,
+        ..spec
+    };
+    let e = generate_agentic(&bad, &corpus, &tok).unwrap_err();
+    assert!(e.to_string().contains("tool_output_fraction"), "{e}");
 }

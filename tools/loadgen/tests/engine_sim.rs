@@ -26,6 +26,7 @@ async fn agentic_run_against_engine_sim() {
         conversations_per_prefix: 2,
         user_turns: 3,
         tool_output_tokens: 200,
+        tool_output_fraction: 0.0,
         answer_tokens: 16,
         seed: 1,
     };
