@@ -1,5 +1,7 @@
-//! A short `kvloop demo` for real: the router, a P and a D `kvloop-engine-sim`
-//! with real KV memory (every block READ over libfabric and verified), in two
+//! A short `kvloop demo` for real: the router, a node agent per node, a P and
+//! a D `kvloop-engine-sim` with real KV memory registered with their agents
+//! (managed mode: the agents READ every block over libfabric, the engines
+//! verify it), in two
 //! network namespaces joined by a veth (root) or on loopback (not root,
 //! outside CI); agentic conversations from `kvloop-loadgen`. Checks the
 //! report's fields, the OFF → fixed speed-up at the longest prompt, and that
@@ -22,6 +24,7 @@ fn short_demo_reports_speed_up_and_zero_mismatches() {
     // The demo starts these from the same directory.
     bin("kvloop-engine-sim");
     bin("kvloop-router");
+    bin("kvloop-agent");
     let out = std::env::temp_dir().join(format!("kvloop-demo-e2e-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = Command::new(&kvloop);
@@ -84,18 +87,17 @@ fn short_demo_reports_speed_up_and_zero_mismatches() {
         speed_up > 1.0,
         "speed-up {speed_up} at the longest prompt\n{stdout}"
     );
-    // Adaptive runs when kvloop-agent is built next to kvloop (make test builds
-    // every binary); its rows then carry the agent-pushed threshold.
-    let skipped = report["modes_skipped"].as_array().unwrap();
-    if skipped.is_empty() {
-        let adaptive = longest("adaptive");
-        assert!(
-            adaptive["threshold_tokens"].as_u64().is_some(),
-            "agent pushed a threshold: {adaptive}"
-        );
-        assert!(adaptive["ttft_ms_p50"].as_f64().is_some(), "{adaptive}");
-    } else {
-        assert!(stdout.contains("adaptive: n/a"), "{stdout}");
+    // The adaptive rows carry the agent-pushed threshold.
+    assert_eq!(report["modes_skipped"], serde_json::json!([]));
+    let adaptive = longest("adaptive");
+    assert!(
+        adaptive["threshold_tokens"].as_u64().is_some(),
+        "agent pushed a threshold: {adaptive}"
+    );
+    assert!(adaptive["ttft_ms_p50"].as_f64().is_some(), "{adaptive}");
+    // Both engines' KV was managed by their node agents.
+    for e in ["p0", "d0"] {
+        assert_eq!(report["engines"][e]["kv_mode"], "agent", "{e}: {report}");
     }
     assert!(report["verified_blocks"].as_u64().unwrap() > 0, "{stdout}");
     assert_eq!(report["mismatched_blocks"], 0, "{stdout}");

@@ -1,6 +1,7 @@
-//! Real KV memory for the simulator: memfd regions registered with an
+//! Real KV memory for the simulator: memfd regions registered either with an
 //! in-process [`TransferEngine`] (observe mode: the engine does its own READs,
-//! as stock vLLM does with NIXL), deterministic KV content, byte-exact
+//! as stock vLLM does with NIXL) or with the node agent (managed mode, see
+//! [`crate::managed`]), deterministic KV content, byte-exact
 //! verification of every block that arrives, and a [`KvTransfer`] that really
 //! READs the emitter's blocks.
 //!
@@ -33,6 +34,7 @@ use kvloop_dataplane::{
 };
 use serde_json::{Value, json};
 
+use crate::managed::{AgentLink, Registration};
 use crate::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
 
 /// Shape of the simulated KV cache.
@@ -121,12 +123,37 @@ pub struct VerifyOutcome {
     pub mismatched_blocks: u64,
 }
 
-/// An engine's KV memory and its transfer engine.
+/// Who holds an engine's KV regions and does its READs.
+enum Backing {
+    /// An in-process transfer engine (observe mode; it owns the regions).
+    Inproc(TransferEngine),
+    /// The node agent (managed mode): the engine keeps its memfd mappings,
+    /// the agent maps the same pages and does the READs.
+    Agent {
+        regions: Vec<HostRegion>,
+        registration: Arc<Registration>,
+    },
+}
+
+/// An engine's KV memory and who moves it.
 pub struct KvMemory {
-    /// The in-process transfer engine (owns the regions).
-    pub engine: TransferEngine,
+    backing: Backing,
     shape: KvShape,
     connect_lock: tokio::sync::Mutex<()>,
+}
+
+fn new_regions(engine_id: &str, shape: &KvShape) -> Result<Vec<HostRegion>, String> {
+    shape.validate()?;
+    let layout = shape.layout();
+    (0..shape.layers)
+        .map(|l| {
+            HostRegion::new(
+                &format!("kvloop-sim-{engine_id}-l{l}"),
+                layout.region_len_bytes() as usize,
+            )
+            .map_err(|e| format!("memfd region {l}: {e}"))
+        })
+        .collect()
 }
 
 impl KvMemory {
@@ -142,18 +169,7 @@ impl KvMemory {
         listen: SocketAddr,
         read_timeout_ms: u64,
     ) -> Result<Self, String> {
-        shape.validate()?;
-        let layout = shape.layout();
-        let mut regions = Vec::new();
-        for l in 0..shape.layers {
-            regions.push(
-                HostRegion::new(
-                    &format!("kvloop-sim-{engine_id}-l{l}"),
-                    layout.region_len_bytes() as usize,
-                )
-                .map_err(|e| format!("memfd region {l}: {e}"))?,
-            );
-        }
+        let regions = new_regions(engine_id, &shape)?;
         let cfg = EngineConfig {
             engine_id: engine_id.to_string(),
             side_channel_addr: listen,
@@ -162,7 +178,7 @@ impl KvMemory {
                 bind_node: provider.starts_with("tcp").then(|| listen.ip().to_string()),
                 ..Default::default()
             }),
-            layout,
+            layout: shape.layout(),
             read_timeout_ms,
             handshake_timeout_ms: 5000,
         };
@@ -170,10 +186,61 @@ impl KvMemory {
             .await
             .map_err(|e| format!("transfer engine ({provider}): {e}"))?;
         Ok(Self {
-            engine,
+            backing: Backing::Inproc(engine),
             shape,
             connect_lock: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// Creates `shape.layers` memfd regions and registers them with the node
+    /// agent behind `link` (managed mode); `side_channel_port` 0/`None` lets
+    /// the agent pick its side-channel port.
+    ///
+    /// # Errors
+    /// A message naming the failing step (shape, memfd, agent).
+    pub async fn register_with_agent(
+        engine_id: &str,
+        shape: KvShape,
+        link: Arc<AgentLink>,
+        side_channel_port: Option<u16>,
+    ) -> Result<Self, String> {
+        let regions = new_regions(engine_id, &shape)?;
+        let registration = Arc::new(
+            Registration::register(link, engine_id, shape.layout(), &regions, side_channel_port)
+                .await?,
+        );
+        Ok(Self {
+            backing: Backing::Agent {
+                regions,
+                registration,
+            },
+            shape,
+            connect_lock: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// KV region of layer `l` (this process's mapping).
+    pub fn region(&self, l: usize) -> &HostRegion {
+        match &self.backing {
+            Backing::Inproc(e) => e.region(l),
+            Backing::Agent { regions, .. } => &regions[l],
+        }
+    }
+
+    /// The in-process transfer engine (observe mode only).
+    pub fn transfer_engine(&self) -> Option<&TransferEngine> {
+        match &self.backing {
+            Backing::Inproc(e) => Some(e),
+            Backing::Agent { .. } => None,
+        }
+    }
+
+    /// The registration with the node agent (managed mode only).
+    pub fn registration(&self) -> Option<&Arc<Registration>> {
+        match &self.backing {
+            Backing::Inproc(_) => None,
+            Backing::Agent { registration, .. } => Some(registration),
+        }
     }
 
     /// The shape.
@@ -181,9 +248,13 @@ impl KvMemory {
         &self.shape
     }
 
-    /// The transfer engine's side-channel address (what readers connect to).
+    /// The side-channel address readers connect to: the in-process transfer
+    /// engine's, or the one the agent serves this engine's blocks on.
     pub fn dataplane_addr(&self) -> SocketAddr {
-        self.engine.side_channel_addr()
+        match &self.backing {
+            Backing::Inproc(e) => e.side_channel_addr(),
+            Backing::Agent { registration, .. } => registration.side_channel(),
+        }
     }
 
     /// Bytes one block id covers over all layers.
@@ -216,7 +287,7 @@ impl KvMemory {
                     );
                 }
                 let off = block_ids[b] as usize * block_len + first_slot * sb;
-                self.engine.region(l as usize).write_at(off, &buf[..n * sb]);
+                self.region(l as usize).write_at(off, &buf[..n * sb]);
             }
             p = end;
         }
@@ -236,8 +307,7 @@ impl KvMemory {
             let slots = (n - b * bs).min(bs);
             let mut ok = true;
             for l in 0..self.shape.layers {
-                self.engine
-                    .region(l as usize)
+                self.region(l as usize)
                     .read_at(*id as usize * block_len, &mut got[..slots * sb]);
                 for k in 0..slots {
                     let p = b * bs + k;
@@ -260,10 +330,13 @@ impl KvMemory {
     /// Connects to the peer at `addr` unless `engine_id` is connected already.
     async fn ensure_connected(&self, engine_id: &str, addr: SocketAddr) -> Result<(), String> {
         let _g = self.connect_lock.lock().await;
-        if self.engine.peer_metadata(engine_id).is_some() {
+        let engine = self
+            .transfer_engine()
+            .ok_or_else(|| "managed mode: the node agent connects to peers".to_string())?;
+        if engine.peer_metadata(engine_id).is_some() {
             return Ok(());
         }
-        self.engine
+        engine
             .connect(addr)
             .await
             .map(|_| ())
@@ -371,8 +444,10 @@ impl KvTransfer for DataplaneTransfer {
                 }),
                 timeout_ms: Some(self.read_timeout_ms),
             };
-            self.kv
-                .engine
+            let engine = self.kv.transfer_engine().ok_or_else(|| {
+                TransferError::Transfer("managed mode: READs go through the node agent".into())
+            })?;
+            engine
                 .read(&dp)
                 .await
                 .map_err(|e| TransferError::Transfer(e.to_string()))?;

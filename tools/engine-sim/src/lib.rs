@@ -35,9 +35,19 @@
 //!   is verified byte-exact (`verified_blocks`, `mismatched_blocks` in
 //!   `/sim/stats` and `/metrics`), and a mismatch means a recompute, never
 //!   wrong KV served.
-//! - `--kv-mode agent` (managed mode through the node agent) is refused at
-//!   start: not wired yet. `--agent-socket` reports prefill timings to the
-//!   node agent's cost model in any mode ([`agent_report`]).
+//! - `--kv-mode agent` (managed mode, [`managed`]): the same memfd KV
+//!   memory, registered with the node agent (`--agent-socket`), which maps
+//!   the same pages. The agent serves this engine's blocks on its side
+//!   channel (that address goes into `kv_transfer_params`), keeps the leases
+//!   (the engine retains every held request there, and frees the blocks
+//!   when the agent reports the lease released: owner notification, TTL),
+//!   and does this engine's READs: it renews the owner's lease through the
+//!   owner's agent, declines blocks the lease does not cover or that expire
+//!   within the safety margin, READs, and notifies the owner. Every block
+//!   that arrives is verified byte-exact as in `inproc`.
+//!
+//! With `--agent-socket`, a prefill engine also reports every prefill's
+//! timing to the agent's cost model, in any mode.
 //!
 //! `GET /metrics` uses vLLM's metric names ([`metrics`]); `GET /sim/reads`
 //! lists the READs this engine performed (direction, tokens, bytes, ms).
@@ -68,8 +78,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
-pub mod agent_report;
 pub mod kv;
+pub mod managed;
 pub mod metrics;
 pub mod profile;
 
@@ -85,8 +95,9 @@ pub enum KvMode {
     /// Real memfd KV regions and an in-process transfer engine that does the
     /// engine's own READs (observe mode, like stock vLLM with NIXL).
     Inproc,
-    /// Real KV regions registered with the node agent, which does the READs
-    /// (managed mode). Not available in this build: refused at start.
+    /// Real memfd KV regions registered with the node agent
+    /// (`--agent-socket`), which serves them, keeps their leases and does the
+    /// engine's READs (managed mode).
     Agent,
 }
 
@@ -179,7 +190,8 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// KV memory and READs: `none` (simulated), `inproc` (real memfd KV and
-    /// in-process READs), `agent` (managed by the node agent).
+    /// in-process READs), `agent` (real memfd KV managed by the node agent
+    /// at `--agent-socket`).
     #[arg(long, value_enum, default_value = "none")]
     pub kv_mode: KvMode,
     /// KV bytes per token over all layers (scaled; see [`kv`]). Default
@@ -192,10 +204,13 @@ pub struct SimConfig {
     /// KV capacity in tokens with real KV memory (caps `num_blocks`).
     #[arg(long, default_value_t = 262_144)]
     pub kv_capacity_tokens: u64,
-    /// libfabric provider of the in-process transfer engine.
+    /// libfabric provider of the in-process transfer engine (`inproc`; in
+    /// `agent` mode the agent's configured backend is used).
     #[arg(long, default_value = "tcp;ofi_rxm")]
     pub kv_provider: String,
-    /// Transfer-engine side-channel address (default: the side-channel IP, port 0).
+    /// Transfer-engine side-channel address (default: the side-channel IP,
+    /// port 0). In `agent` mode only its port is used (0: the agent picks),
+    /// on the agent's node address.
     #[arg(long)]
     pub kv_listen: Option<SocketAddr>,
     /// READ timeout, ms.
@@ -204,10 +219,10 @@ pub struct SimConfig {
     /// Tokenizer: `words` or `pieces`.
     #[arg(long, value_enum, default_value = "words")]
     pub tokenizer: TokenizerKind,
-    /// Unix socket of the node agent (`kvloop-agent`): a prefill engine
-    /// reports every prefill's (prompt tokens, reused tokens, latency) to
-    /// it, which feeds the agent's cost model (observe mode: the engine
-    /// still does its own READs).
+    /// Unix socket of the node agent (`kvloop-agent`). Required by
+    /// `--kv-mode agent` (the KV memory is registered there); in any mode a
+    /// prefill engine reports every prefill's (prompt tokens, reused tokens,
+    /// latency) to it, which feeds the agent's cost model.
     #[arg(long)]
     pub agent_socket: Option<std::path::PathBuf>,
 }
@@ -408,6 +423,11 @@ struct Hold {
     block_ids: Vec<u32>,
     num_tokens: u64,
     expires_at: Instant,
+    /// Managed mode: retained at the node agent, whose lease table decides
+    /// when the blocks are free again (a reader may have renewed the lease
+    /// past `expires_at`): freed on the agent's release event, not by the
+    /// sweep.
+    agent_lease: bool,
 }
 
 /// One READ a reader asks its [`KvTransfer`] to perform.
@@ -545,12 +565,7 @@ impl BlockGuard {
         if let Some(kv) = &e.kv {
             kv.write_tokens(&ids, all_tokens, n_prompt, num_tokens as usize);
         }
-        e.hold_blocks(
-            request_id,
-            ids.clone(),
-            num_tokens,
-            Duration::from_millis(e.cfg.decoder_kv_blocks_ttl_ms),
-        );
+        e.hold_blocks(request_id, ids.clone(), num_tokens, e.decoder_ttl());
         ids
     }
 }
@@ -669,7 +684,9 @@ pub struct Engine {
     reading: Mutex<HashMap<String, Hold>>,
     metrics: metrics::Metrics,
     read_log: Mutex<std::collections::VecDeque<ReadLogEntry>>,
-    agent: Option<Arc<agent_report::AgentReporter>>,
+    agent: Option<Arc<managed::AgentLink>>,
+    /// Managed mode: the agent connection was lost; holds are swept locally.
+    agent_lost: std::sync::atomic::AtomicBool,
     agent_reports_failed: AtomicU64,
 }
 
@@ -708,10 +725,11 @@ impl Drop for SimHandle {
 /// # Errors
 /// When a listen address cannot be bound.
 pub async fn spawn(cfg: SimConfig) -> std::io::Result<SimHandle> {
+    let link = connect_agent(&cfg).await?;
     match cfg.kv_mode {
         KvMode::None => {
             let t = Arc::new(SimulatedTransfer::new(cfg.transfer_us_per_token));
-            spawn_with_transfer(cfg, t).await
+            spawn_inner(cfg, t, None, link).await
         }
         KvMode::Inproc => {
             let kv = Arc::new(start_kv(&cfg).await?);
@@ -724,12 +742,33 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SimHandle> {
                 dir,
                 cfg.kv_read_timeout_ms,
             ));
-            spawn_inner(cfg, t, Some(kv)).await
+            spawn_inner(cfg, t, Some(kv), link).await
         }
-        KvMode::Agent => Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "kv_mode: `agent` (managed mode) is not available in this build; expected `none` or `inproc`",
-        )),
+        KvMode::Agent => {
+            let Some(link) = link else {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "agent_socket: required with kv_mode `agent` (the node agent's Unix socket)",
+                ));
+            };
+            let port = cfg.kv_listen.map(|a| a.port()).filter(|p| *p != 0);
+            let kv = Arc::new(
+                KvMemory::register_with_agent(&cfg.engine_id, kv_shape(&cfg), link.clone(), port)
+                    .await
+                    .map_err(std::io::Error::other)?,
+            );
+            let reg = kv.registration().expect("agent backing").clone();
+            let dir = match cfg.role {
+                Role::Prefill => kvloop_agent_api::proto::ReadDirection::D2p,
+                Role::Decode => kvloop_agent_api::proto::ReadDirection::P2d,
+            };
+            let t = Arc::new(managed::AgentTransfer::new(
+                reg,
+                dir,
+                cfg.kv_read_timeout_ms,
+            ));
+            spawn_inner(cfg, t, Some(kv), Some(link)).await
+        }
     }
 }
 
@@ -772,13 +811,31 @@ pub async fn spawn_with_transfer(
     cfg: SimConfig,
     transfer: Arc<dyn KvTransfer>,
 ) -> std::io::Result<SimHandle> {
-    spawn_inner(cfg, transfer, None).await
+    let link = connect_agent(&cfg).await?;
+    spawn_inner(cfg, transfer, None, link).await
+}
+
+/// The connection pool to the node agent at `cfg.agent_socket`, if set.
+async fn connect_agent(cfg: &SimConfig) -> std::io::Result<Option<Arc<managed::AgentLink>>> {
+    let Some(path) = &cfg.agent_socket else {
+        return Ok(None);
+    };
+    let link = managed::AgentLink::connect(path, &cfg.engine_id)
+        .await
+        .map_err(|e| {
+            std::io::Error::other(format!(
+                "agent_socket: cannot reach the agent at {}: {e}",
+                path.display()
+            ))
+        })?;
+    Ok(Some(Arc::new(link)))
 }
 
 async fn spawn_inner(
     mut cfg: SimConfig,
     transfer: Arc<dyn KvTransfer>,
     kv: Option<Arc<KvMemory>>,
+    agent: Option<Arc<managed::AgentLink>>,
 ) -> std::io::Result<SimHandle> {
     let profile = match &cfg.profile {
         None => None,
@@ -805,23 +862,22 @@ async fn spawn_inner(
         // The allocator hands out exactly the blocks the KV regions hold.
         cfg.num_blocks = kv.shape().num_blocks;
     }
-    let agent = match &cfg.agent_socket {
-        None => None,
-        Some(path) => Some(Arc::new(
-            agent_report::AgentReporter::connect(path, &cfg.engine_id)
-                .await
-                .map_err(|e| {
-                    std::io::Error::other(format!(
-                        "agent_socket: cannot reach the agent at {}: {e}",
-                        path.display()
-                    ))
-                })?,
-        )),
-    };
     let http = TcpListener::bind(cfg.http_addr).await?;
-    let side = TcpListener::bind(cfg.side_channel_addr).await?;
     let http_addr = http.local_addr()?;
-    let side_channel_addr = side.local_addr()?;
+    // Managed mode: readers reach this engine's blocks through the agent's
+    // side channel; the engine's own (HTTP lease-check) side channel is
+    // not served.
+    let managed_side = kv
+        .as_ref()
+        .and_then(|k| k.registration().map(|r| r.side_channel()));
+    let (side, side_channel_addr) = match managed_side {
+        Some(addr) => (None, addr),
+        None => {
+            let l = TcpListener::bind(cfg.side_channel_addr).await?;
+            let a = l.local_addr()?;
+            (Some(l), a)
+        }
+    };
     let advertised_host =
         cfg.advertised_host
             .clone()
@@ -846,6 +902,7 @@ async fn spawn_inner(
         metrics: metrics::Metrics::new(),
         read_log: Mutex::new(std::collections::VecDeque::new()),
         agent,
+        agent_lost: std::sync::atomic::AtomicBool::new(false),
         agent_reports_failed: AtomicU64::new(0),
         cfg,
     });
@@ -866,6 +923,9 @@ async fn spawn_inner(
         .route("/kv/read", post(side_read))
         .with_state(engine.clone());
     let (side_tx, side_rx) = tokio::sync::oneshot::channel::<()>();
+    let side_rx = async move {
+        let _ = side_rx.await;
+    };
     tokio::spawn(async move {
         let _ = axum::serve(
             http.tap_io(|t| {
@@ -879,21 +939,41 @@ async fn spawn_inner(
         })
         .await;
     });
-    tokio::spawn(async move {
-        let _ = axum::serve(
-            side.tap_io(|t| {
-                let _ = t.set_nodelay(true);
-            }),
-            side_app,
-        )
-        .with_graceful_shutdown(async move {
-            let _ = side_rx.await;
-        })
-        .await;
-    });
-    if let Some(kv) = &engine.kv {
+    if let Some(side) = side {
+        tokio::spawn(async move {
+            let _ = axum::serve(
+                side.tap_io(|t| {
+                    let _ = t.set_nodelay(true);
+                }),
+                side_app,
+            )
+            .with_graceful_shutdown(side_rx)
+            .await;
+        });
+    }
+    if let Some(reg) = engine.kv.as_ref().and_then(|k| k.registration()) {
+        // Managed mode: the agent's lease releases free the blocks.
+        let weak = Arc::downgrade(&engine);
+        let link = reg.link().clone();
+        let id = engine.cfg.engine_id.clone();
+        tokio::spawn(async move {
+            let w = weak.clone();
+            let r = managed::run_events(link, id, move |request_id| {
+                let Some(e) = w.upgrade() else { return false };
+                e.release_held(request_id);
+                true
+            })
+            .await;
+            if let Some(e) = weak.upgrade() {
+                warn!(engine = %e.cfg.engine_id, result = ?r,
+                      "lost the node agent's events: holds are now freed at their deadline");
+                e.agent_lost.store(true, Ordering::Relaxed);
+            }
+        });
+    }
+    if let Some(dp) = engine.kv.as_ref().and_then(|k| k.transfer_engine()) {
         // Owner notifications free the blocks a reader claimed.
-        let mut rx = kv.engine.subscribe_notifications();
+        let mut rx = dp.subscribe_notifications();
         let weak = Arc::downgrade(&engine);
         tokio::spawn(async move {
             loop {
@@ -954,9 +1034,10 @@ impl Engine {
     /// Free every hold whose deadline has passed.
     fn sweep(&self, now: Instant) {
         let mut holds = self.holds.lock().unwrap();
+        let agent_lost = self.agent_lost.load(Ordering::Relaxed);
         let expired: Vec<String> = holds
             .iter()
-            .filter(|(_, h)| h.expires_at <= now)
+            .filter(|(_, h)| h.expires_at <= now && (!h.agent_lease || agent_lost))
             .map(|(k, _)| k.clone())
             .collect();
         let mut alloc = self.alloc.lock().unwrap();
@@ -974,6 +1055,15 @@ impl Engine {
                 true
             }
         });
+    }
+
+    /// Frees the blocks of a hold the node agent released (managed mode:
+    /// all owner notifications received, lease lapsed, or evicted).
+    fn release_held(&self, request_id: &str) {
+        let h = self.holds.lock().unwrap().remove(request_id);
+        if let Some(h) = h {
+            self.alloc.lock().unwrap().release(&h.block_ids);
+        }
     }
 
     /// Frees the blocks of a claimed hold (owner notification received).
@@ -994,13 +1084,32 @@ impl Engine {
             .collect();
         order.sort();
         let mut alloc = self.alloc.lock().unwrap();
+        let mut at_agent = Vec::new();
         for (_, k) in order {
             if alloc.free_blocks() >= n_blocks {
                 break;
             }
             if let Some(h) = holds.remove(&k) {
                 alloc.release(&h.block_ids);
+                if h.agent_lease {
+                    at_agent.push(k);
+                }
             }
+        }
+        // Managed mode: end the evicted leases at the agent too, so that no
+        // reader renews them. A READ already under way may still copy the
+        // reused blocks; the reader's byte-exact check then recomputes.
+        if let (false, Some(reg)) = (
+            at_agent.is_empty(),
+            self.kv.as_ref().and_then(|k| k.registration()).cloned(),
+        ) {
+            tokio::spawn(async move {
+                for k in at_agent {
+                    if let Err(e) = reg.release(&k).await {
+                        debug!(request = %k, error = %e, "evicted lease already gone at the agent");
+                    }
+                }
+            });
         }
     }
 
@@ -1099,6 +1208,11 @@ impl Engine {
         reused
     }
 
+    /// How long D holds a finished request's blocks.
+    fn decoder_ttl(&self) -> Duration {
+        Duration::from_millis(self.cfg.decoder_kv_blocks_ttl_ms)
+    }
+
     /// Blocks needed for `num_tokens` tokens (at least one).
     fn blocks_for(&self, num_tokens: u64) -> usize {
         num_tokens
@@ -1134,8 +1248,34 @@ impl Engine {
                 block_ids: ids,
                 num_tokens,
                 expires_at: Instant::now() + ttl,
+                agent_lease: false,
             },
         );
+    }
+
+    /// Managed mode: retains a new hold's blocks at the node agent (before
+    /// its params leave the engine, so that a reader's lease check finds
+    /// them) and marks the hold as the agent's to release. When the agent
+    /// refuses, the hold stays local: readers are declined and recompute.
+    async fn retain_at_agent(&self, request_id: &str, ttl: Duration) {
+        let Some(reg) = self.kv.as_ref().and_then(|k| k.registration()) else {
+            return;
+        };
+        let ids = match self.holds.lock().unwrap().get(request_id) {
+            Some(h) => h.block_ids.clone(),
+            None => return,
+        };
+        match reg.retain(request_id, &ids, ttl.as_millis() as u64).await {
+            Ok(()) => {
+                if let Some(h) = self.holds.lock().unwrap().get_mut(request_id) {
+                    h.agent_lease = true;
+                }
+            }
+            Err(e) => {
+                warn!(engine = %self.cfg.engine_id, request = %request_id, error = %e,
+                      "the agent did not retain the blocks; readers will recompute");
+            }
+        }
     }
 
     fn params(&self, request_id: &str, block_ids: Vec<u32>, num_tokens: u64) -> Value {
@@ -1460,12 +1600,9 @@ async fn generate(
             e.metrics.ttft_seconds.observe(prefill_time.as_secs_f64());
             e.metrics.generation_tokens.inc();
             e.report_prefill(n_prompt, reused, prefill_time);
-            e.hold_blocks(
-                &request_id,
-                ids.clone(),
-                n_prompt,
-                Duration::from_millis(e.cfg.lease_ms),
-            );
+            let lease = Duration::from_millis(e.cfg.lease_ms);
+            e.hold_blocks(&request_id, ids.clone(), n_prompt, lease);
+            e.retain_at_agent(&request_id, lease).await;
             let kv = e.params(&request_id, ids, n_prompt);
             let choice = match api {
                 Api::Completions => {
@@ -1594,6 +1731,7 @@ async fn decode_full(job: DecodeJob, body: &Value) -> Response {
     let normal = finish == "stop" || finish == "length";
     let kv = if normal {
         let ids = blocks.extend_and_hold(&request_id, held, &all_tokens, n_prompt as usize);
+        e.retain_at_agent(&request_id, e.decoder_ttl()).await;
         e.params(&request_id, ids, held)
     } else {
         Value::Null
@@ -1714,6 +1852,7 @@ fn decode_stream(job: DecodeJob, body: Value) -> Response {
         }
         if finish == "stop" || finish == "length" {
             let ids = blocks.extend_and_hold(&request_id, held, &all_tokens, n_prompt);
+            e.retain_at_agent(&request_id, e.decoder_ttl()).await;
             let kv = e.params(&request_id, ids, held);
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
             if tx
@@ -1821,10 +1960,10 @@ async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRead>) -> Res
         ));
     }
     if r.defer_release {
-        let Some(kv) = &e.kv else {
+        let Some(kv) = e.kv.as_ref().filter(|k| k.transfer_engine().is_some()) else {
             return refuse(format!(
-                "request {}: this engine has no KV memory (kv_mode none); defer_release needs inproc",
-                r.remote_request_id
+                "request {}: defer_release needs kv_mode inproc; this engine is in kv_mode {:?}",
+                r.remote_request_id, e.cfg.kv_mode
             ));
         };
         let mut h = holds.remove(&r.remote_request_id).expect("checked above");

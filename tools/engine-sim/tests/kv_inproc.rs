@@ -127,11 +127,11 @@ async fn wrong_kv_is_detected_and_recomputed() {
 }
 
 #[tokio::test]
-async fn agent_mode_and_bad_profile_are_refused_with_the_field_named() {
+async fn agent_mode_without_a_socket_and_bad_profile_are_refused_with_the_field_named() {
     let mut c = cfg(Role::Prefill, "p2");
     c.kv_mode = KvMode::Agent;
     let e = spawn(c).await.err().unwrap();
-    assert!(e.to_string().contains("kv_mode"), "{e}");
+    assert!(e.to_string().contains("agent_socket"), "{e}");
     let mut c = cfg(Role::Prefill, "p3");
     c.kv_mode = KvMode::None;
     c.profile = Some("gpt-9".into());
