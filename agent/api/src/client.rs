@@ -28,6 +28,7 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvloop_dataplane::{BlockPair, HostRegion, KvLayout, OwnerNotify};
 use tokio::net::UnixStream;
@@ -57,6 +58,11 @@ pub enum ClientError {
 pub struct AgentClient {
     sock: Mutex<UnixStream>,
     agent_id: String,
+    /// A request was sent and its response not yet read: set while a call
+    /// is in progress. Still set when a call starts means an earlier call
+    /// was cancelled mid-way (its future dropped), so the next frame on the
+    /// socket would be that call's response: the connection is unusable.
+    in_flight: AtomicBool,
 }
 
 impl AgentClient {
@@ -70,6 +76,7 @@ impl AgentClient {
         let me = Self {
             sock: Mutex::new(s),
             agent_id: String::new(),
+            in_flight: AtomicBool::new(false),
         };
         match me
             .call(
@@ -88,6 +95,12 @@ impl AgentClient {
         }
     }
 
+    /// Whether an earlier call was cancelled before its response (every
+    /// further call fails; drop this client). Meaningful between calls.
+    pub fn is_poisoned(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
     /// The agent's id (node name).
     pub fn agent_id(&self) -> &str {
         &self.agent_id
@@ -95,14 +108,25 @@ impl AgentClient {
 
     /// Sends one request (with fds) and waits for its response.
     ///
+    /// Cancel safety: dropping the returned future mid-way leaves the
+    /// connection out of step with the agent; every later call on this
+    /// client then fails with [`ClientError::Io`] (connect a new client).
+    ///
     /// # Errors
     /// See [`ClientError`].
     pub async fn call(&self, req: &Request, fds: &[RawFd]) -> Result<Reply, ClientError> {
         let s = self.sock.lock().await;
+        if self.in_flight.swap(true, Ordering::AcqRel) {
+            return Err(ClientError::Io(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "an earlier request on this connection was cancelled before its response; reconnect",
+            )));
+        }
         send_json(&s, req, fds).await?;
         let (body, _) = read_frame(&s)
             .await?
             .ok_or_else(|| ClientError::Protocol("agent closed the connection".into()))?;
+        self.in_flight.store(false, Ordering::Release);
         match serde_json::from_slice::<Response>(&body)
             .map_err(|e| ClientError::Protocol(format!("bad response: {e}")))?
         {
@@ -298,7 +322,8 @@ impl AgentClient {
     /// Releases retained blocks (owner).
     ///
     /// # Errors
-    /// `lease` when nothing is retained.
+    /// `lease` when nothing is retained; `lease_in_use` while a reader that
+    /// renewed the lease is still reading (keep the blocks).
     pub async fn release(&self, engine_id: &str, request_id: &str) -> Result<(), ClientError> {
         self.call(
             &Request::Release {
@@ -399,4 +424,44 @@ impl AgentClient {
 
 fn unexpected(r: Reply) -> ClientError {
     ClientError::Protocol(format!("unexpected reply {r:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake agent that welcomes the client, then reads one request and
+    /// never answers it.
+    #[tokio::test]
+    async fn a_cancelled_call_poisons_the_connection_instead_of_misrouting_replies() {
+        let path = std::env::temp_dir().join(format!("kvloop-api-cancel-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let l = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            let _hello = read_frame(&s).await.unwrap();
+            let welcome = Response::Ok(Reply::Welcome {
+                version: PROTOCOL_VERSION,
+                agent_id: "node-a".into(),
+            });
+            send_json(&s, &welcome, &[]).await.unwrap();
+            let _status = read_frame(&s).await.unwrap();
+            // Answer late: this reply must never be taken for another call's.
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let _ = send_json(&s, &Response::Ok(Reply::Done), &[]).await;
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        });
+        let c = AgentClient::connect(&path, "test").await.unwrap();
+        assert_eq!(c.agent_id(), "node-a");
+        let cancelled =
+            tokio::time::timeout(std::time::Duration::from_millis(50), c.status()).await;
+        assert!(cancelled.is_err(), "the call should still be waiting");
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        match c.status().await {
+            Err(ClientError::Io(e)) => assert!(e.to_string().contains("cancelled"), "{e}"),
+            other => panic!("expected an Io error, got {other:?}"),
+        }
+        server.abort();
+        let _ = std::fs::remove_file(&path);
+    }
 }
