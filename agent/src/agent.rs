@@ -417,11 +417,12 @@ impl Agent {
                 _notif: AbortOnDrop(task),
             },
         );
+        // A fresh queue: events of an earlier registration of the same id
+        // (an engine that restarted) must not reach the new one.
         self.events
             .lock()
             .unwrap()
-            .entry(engine_id.clone())
-            .or_default();
+            .insert(engine_id.clone(), Default::default());
         self.metrics
             .engines
             .set(self.engines.read().unwrap().len() as i64);
@@ -434,6 +435,10 @@ impl Agent {
         let gone = self.engines.write().unwrap().remove(engine_id).is_some();
         if gone {
             self.leases.lock().unwrap().drop_engine(engine_id);
+            // Waiters in `events` see `unknown_engine` from now on.
+            if let Some(q) = self.events.lock().unwrap().remove(engine_id) {
+                q.notify.notify_waiters();
+            }
             self.metrics
                 .engines
                 .set(self.engines.read().unwrap().len() as i64);
@@ -708,20 +713,19 @@ impl Agent {
     /// The owner releases blocks.
     ///
     /// # Errors
-    /// `lease` when nothing is retained.
+    /// `lease` when nothing is retained; `lease_in_use` while a reader's
+    /// renewal holds them.
     pub fn release(&self, engine_id: &str, request_id: &str) -> Result<(), ApiError> {
-        let r = self.leases.lock().unwrap().release(engine_id, request_id);
+        let now = self.now_ms();
+        let r = self
+            .leases
+            .lock()
+            .unwrap()
+            .release(engine_id, request_id, now);
         self.update_lease_gauge();
-        match r {
-            Some(r) => {
-                self.push_event(engine_id, EngineEvent::Released(r));
-                Ok(())
-            }
-            None => Err(lease_err(LeaseError::Unknown {
-                engine_id: engine_id.into(),
-                request_id: request_id.into(),
-            })),
-        }
+        let r = r.map_err(lease_err)?;
+        self.push_event(engine_id, EngineEvent::Released(r));
+        Ok(())
     }
 
     /// Expires lapsed leases and tells their owners (called by a timer).
@@ -905,8 +909,15 @@ impl Agent {
     }
 }
 
+/// `lease`, or `lease_in_use` for an owner release refused while a reader
+/// holds the blocks (the owner keeps them and evicts another request).
 fn lease_err(e: LeaseError) -> ApiError {
-    ApiError::new("lease", e.to_string())
+    let kind = if matches!(e, LeaseError::InUse { .. }) {
+        "lease_in_use"
+    } else {
+        "lease"
+    };
+    ApiError::new(kind, e.to_string())
 }
 
 /// A READ checked against the owner's lease may only name blocks the lease

@@ -72,6 +72,20 @@ pub enum LeaseError {
         /// The margin in force, ms.
         safety_margin_ms: u64,
     },
+    /// The owner asked to release blocks a reader renewed for a READ that
+    /// has not notified yet: the owner must keep them (evict another).
+    #[error(
+        "blocks of request `{request_id}` of engine `{engine_id}` are being read \
+         (a reader renewed them for {reading_for_ms} ms more): not released"
+    )]
+    InUse {
+        /// Owner engine id.
+        engine_id: String,
+        /// Owner request id.
+        request_id: String,
+        /// How long the reader's renewal still holds them, ms.
+        reading_for_ms: u64,
+    },
     /// Bad retain input; names the field.
     #[error("retain: `{field}`: expected {expected}")]
     Invalid {
@@ -89,6 +103,9 @@ struct Entry {
     block_ids: Vec<u64>,
     expires_at_ms: u64,
     received: u32,
+    /// A reader renewed the lease to READ until then (0: never renewed):
+    /// the owner may not release the blocks before.
+    reading_until_ms: u64,
 }
 
 /// The lease table of one agent (all hosted engines).
@@ -149,6 +166,7 @@ impl LeaseTable {
                 block_ids,
                 expires_at_ms: now_ms.saturating_add(ttl),
                 received: 0,
+                reading_until_ms: 0,
             },
         );
         Ok(self
@@ -191,6 +209,7 @@ impl LeaseTable {
             Some(e) if e.expires_at_ms > now_ms => {
                 let want = now_ms.saturating_add(lease_ms.min(max));
                 e.expires_at_ms = e.expires_at_ms.max(want);
+                e.reading_until_ms = e.reading_until_ms.max(want);
             }
             _ => return Err(unknown(engine_id, request_id)),
         }
@@ -248,10 +267,32 @@ impl LeaseTable {
         None
     }
 
-    /// The owner releases a request's blocks.
-    pub fn release(&mut self, engine_id: &str, request_id: &str) -> Option<Released> {
+    /// The owner releases a request's blocks (an engine evicting them).
+    ///
+    /// # Errors
+    /// [`LeaseError::Unknown`] when not retained; [`LeaseError::InUse`]
+    /// while a reader's renewal holds them (until its owner notification
+    /// or the renewal's end).
+    pub fn release(
+        &mut self,
+        engine_id: &str,
+        request_id: &str,
+        now_ms: u64,
+    ) -> Result<Released, LeaseError> {
         let key = (engine_id.to_string(), request_id.to_string());
-        self.entries.remove(&key).map(|e| Released {
+        let e = self
+            .entries
+            .get(&key)
+            .ok_or_else(|| unknown(engine_id, request_id))?;
+        if e.reading_until_ms > now_ms {
+            return Err(LeaseError::InUse {
+                engine_id: key.0,
+                request_id: key.1,
+                reading_for_ms: e.reading_until_ms - now_ms,
+            });
+        }
+        let e = self.entries.remove(&key).expect("present");
+        Ok(Released {
             engine_id: key.0,
             request_id: key.1,
             block_ids: e.block_ids,
@@ -391,12 +432,42 @@ mod tests {
     }
 
     #[test]
+    fn owner_release_waits_for_a_reader_that_renewed() {
+        let mut t = LeaseTable::new(LeaseConfig::default());
+        t.retain("d0", "r", vec![1, 2], Some(60_000), 0).unwrap();
+        t.renew("d0", "r", 10_000, 1_000).unwrap();
+        let e = t.release("d0", "r", 2_000).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LeaseError::InUse {
+                    reading_for_ms: 9_000,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        // The reader's notification ends it; or, without one, the renewal lapses.
+        assert!(t.on_notification("d0", "r", 1).is_some());
+        t.retain("d0", "s", vec![3], Some(60_000), 0).unwrap();
+        t.renew("d0", "s", 10_000, 1_000).unwrap();
+        assert!(t.release("d0", "s", 11_000).is_ok());
+        assert!(matches!(
+            t.release("d0", "s", 11_000),
+            Err(LeaseError::Unknown { .. })
+        ));
+    }
+
+    #[test]
     fn owner_release_and_drop_engine() {
         let mut t = table();
         t.retain("d0", "a", vec![1], None, 0).unwrap();
         t.retain("d0", "b", vec![2], None, 0).unwrap();
         t.retain("d1", "c", vec![3], None, 0).unwrap();
-        assert_eq!(t.release("d0", "a").unwrap().reason, ReleaseReason::Owner);
+        assert_eq!(
+            t.release("d0", "a", 0).unwrap().reason,
+            ReleaseReason::Owner
+        );
         t.drop_engine("d0");
         assert_eq!(t.len(), 1);
     }

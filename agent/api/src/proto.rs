@@ -175,7 +175,9 @@ pub enum Request {
         /// Requested lease, ms (capped by the owner's `max_lease_ms`).
         lease_ms: u64,
     },
-    /// The owner releases retained blocks.
+    /// The owner releases retained blocks (it evicts them). Refused with
+    /// `lease_in_use` while a reader that renewed the lease has not
+    /// notified yet (the owner keeps them and evicts another request).
     Release {
         /// Owner engine id.
         engine_id: String,
@@ -315,7 +317,7 @@ impl From<kvloop_dataplane::ReadOutcome> for ReadDone {
 #[error("{kind}: {message}")]
 pub struct ApiError {
     /// Machine-readable kind: `bad_request`, `unknown_engine`, `dataplane`,
-    /// `lease`, `version`, `internal`.
+    /// `lease`, `lease_in_use`, `version`, `internal`.
     pub kind: String,
     /// Human-readable, naming the bad field where there is one.
     pub message: String,
