@@ -797,17 +797,23 @@ impl Inner {
                 }
             }
             // Connection gone: forget the peer (if it was not replaced since).
-            if let Some(inner) = weak.upgrade() {
+            let Some(inner) = weak.upgrade() else { return };
+            let removed = {
                 let mut peers = inner.peers.write().unwrap();
                 if peers
                     .get(&engine_id)
                     .is_some_and(|p| p.generation == generation)
                 {
-                    let p = peers.remove(&engine_id).unwrap();
-                    drop(peers);
-                    inner.backend.remove_peer(p.slot);
-                    tracing::info!(peer = %engine_id, "peer disconnected");
+                    peers.remove(&engine_id)
+                } else {
+                    None
                 }
+            };
+            if let Some(p) = removed {
+                // Waits for READs being posted to the peer: off the async workers.
+                let _ =
+                    tokio::task::spawn_blocking(move || inner.backend.remove_peer(p.slot)).await;
+                tracing::info!(peer = %engine_id, "peer disconnected");
             }
         });
         Ok(())

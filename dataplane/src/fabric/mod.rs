@@ -1028,12 +1028,17 @@ impl TransferBackend for FabricBackend {
                 ctx: unsafe { std::mem::zeroed() },
                 read_id,
             }));
-            // Respect the provider's queue depth.
-            while s.outstanding.load(Ordering::Acquire) >= limits.tx_size {
+            // Respect the provider's queue depth (bounded like the EAGAIN
+            // retries below; a peer being removed stops the wait).
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while s.outstanding.load(Ordering::Acquire) >= limits.tx_size
+                && Instant::now() < deadline
+                && !peer.gone.load(Ordering::Acquire)
+            {
+                s.wake();
                 std::thread::yield_now();
             }
             s.outstanding.fetch_add(1, Ordering::AcqRel);
-            let deadline = Instant::now() + Duration::from_secs(5);
             let ret = loop {
                 // SAFETY: IOVs point into our registrations; ctx lives until its completion.
                 let r = unsafe {
