@@ -295,3 +295,52 @@ async fn agent_mode_without_a_socket_is_refused_naming_the_field() {
     let e = spawn(c).await.err().expect("refused");
     assert!(e.to_string().contains("agent_socket"), "{e}");
 }
+
+/// A full cache evicts D's oldest hold: its lease ends at the agent first,
+/// so a READ with the evicted request's params is declined (never served
+/// from the blocks D handed to a newer request), while the newest params
+/// still read byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_hold_is_released_at_the_agent_before_its_blocks_are_reused() {
+    let dir = std::env::temp_dir().join(format!("kvloop-sim-managed3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (a, b) = agents(&dir);
+    let p = spawn(cfg(Role::Prefill, "p3", &a)).await.unwrap();
+    // Room for about two conversations' worth of blocks.
+    let d = spawn(SimConfig {
+        kv_capacity_tokens: 1024,
+        ..cfg(Role::Decode, "d3", &b)
+    })
+    .await
+    .unwrap();
+    let mut turns = Vec::new();
+    for k in 0..3 {
+        let prompt = (0..300)
+            .map(|i| format!("conv{k}word{i}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let (st, dr) = post(
+            &format!("{}/v1/completions", d.url()),
+            json!({"prompt": prompt, "max_tokens": 4}),
+        )
+        .await;
+        assert_eq!(st, 200, "{dr}");
+        assert!(dr["kv_transfer_params"].is_object(), "{dr}");
+        turns.push((prompt, dr));
+    }
+    // The first hold was evicted for the third request.
+    let next = |(prompt, dr): &(String, Value)| {
+        let answer = dr["choices"][0]["text"].as_str().unwrap().to_string();
+        json!({"prompt": format!("{prompt}{answer} more"), "max_tokens": 1,
+               "kv_transfer_params": dr["kv_transfer_params"]})
+    };
+    let (_, r) = post(&format!("{}/v1/completions", p.url()), next(&turns[0])).await;
+    assert_eq!(r["kvloop_sim"]["reused_tokens"], 0, "{r}");
+    let (_, r) = post(&format!("{}/v1/completions", p.url()), next(&turns[2])).await;
+    assert!(r["kvloop_sim"]["reused_tokens"].as_u64().unwrap() > 0, "{r}");
+    let ps = p.engine.stats();
+    assert_eq!(ps.reads_declined, 1, "{ps:?}");
+    assert_eq!(ps.mismatched_blocks, 0, "{ps:?}");
+    assert!(ps.verified_blocks > 0, "{ps:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use kvloop_common::Direction;
 use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::{
-    BackendConfig, BlockPair, EngineConfig, HostRegion, KvLayout, TransferEngine,
+    BackendConfig, EngineConfig, HostRegion, KvLayout, TransferEngine,
     engine::{OwnerNotify, ReadRequest as DpReadRequest},
 };
 use serde_json::{Value, json};
@@ -375,16 +375,7 @@ impl DataplaneTransfer {
 impl KvTransfer for DataplaneTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
-            let bs = u64::from(req.block_size_tokens.max(1));
-            let n_blocks = req.num_tokens.div_ceil(bs) as usize;
-            if req.remote_block_ids.len() < n_blocks || req.local_block_ids.len() < n_blocks {
-                return Err(TransferError::Declined(format!(
-                    "{} tokens need {n_blocks} blocks; remote has {}, local {}",
-                    req.num_tokens,
-                    req.remote_block_ids.len(),
-                    req.local_block_ids.len()
-                )));
-            }
+            let blocks = req.block_pairs()?;
             let url = format!(
                 "http://{}/kv/read",
                 host_port(&req.remote_host, req.remote_port)
@@ -426,14 +417,6 @@ impl KvTransfer for DataplaneTransfer {
                 .ensure_connected(&req.remote_engine_id, addr)
                 .await
                 .map_err(TransferError::Transfer)?;
-            let blocks = req.remote_block_ids[..n_blocks]
-                .iter()
-                .zip(&req.local_block_ids[..n_blocks])
-                .map(|(r, l)| BlockPair {
-                    remote: u64::from(*r),
-                    local: u64::from(*l),
-                })
-                .collect();
             let dp = DpReadRequest {
                 peer_engine_id: req.remote_engine_id.clone(),
                 blocks,

@@ -139,6 +139,8 @@ pub struct SimConfig {
     #[arg(long, default_value = "127.0.0.1:0")]
     pub http_addr: SocketAddr,
     /// Side-channel listen address (lease checks and READ notifications).
+    /// Not listened on in `--kv-mode agent`: the agent's side channel
+    /// serves the engine's blocks there.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub side_channel_addr: SocketAddr,
     /// Host written into `remote_host` (default: the side-channel IP, bracketed if IPv6).
@@ -423,10 +425,11 @@ struct Hold {
     block_ids: Vec<u32>,
     num_tokens: u64,
     expires_at: Instant,
-    /// Managed mode: retained at the node agent, whose lease table decides
+    /// Managed mode: leased at the node agent, whose lease table decides
     /// when the blocks are free again (a reader may have renewed the lease
-    /// past `expires_at`): freed on the agent's release event, not by the
-    /// sweep.
+    /// past `expires_at`): freed on the agent's release event, or evicted
+    /// once the agent has ended the lease; never by the sweep while the
+    /// agent is reachable.
     agent_lease: bool,
 }
 
@@ -452,6 +455,34 @@ pub struct ReadRequest {
     pub local_block_ids: Vec<u32>,
     /// Tokens per block (the reader's; the sim assumes both sides agree).
     pub block_size_tokens: u32,
+}
+
+impl ReadRequest {
+    /// The (remote, local) block pairs of the first
+    /// `ceil(num_tokens / block_size_tokens)` blocks on each side.
+    ///
+    /// # Errors
+    /// [`TransferError::Declined`] when either side lists fewer blocks.
+    pub fn block_pairs(&self) -> Result<Vec<kvloop_dataplane::BlockPair>, TransferError> {
+        let bs = u64::from(self.block_size_tokens.max(1));
+        let n_blocks = self.num_tokens.div_ceil(bs) as usize;
+        if self.remote_block_ids.len() < n_blocks || self.local_block_ids.len() < n_blocks {
+            return Err(TransferError::Declined(format!(
+                "{} tokens need {n_blocks} blocks; remote_block_ids has {}, local {}",
+                self.num_tokens,
+                self.remote_block_ids.len(),
+                self.local_block_ids.len()
+            )));
+        }
+        Ok(self.remote_block_ids[..n_blocks]
+            .iter()
+            .zip(&self.local_block_ids[..n_blocks])
+            .map(|(r, l)| kvloop_dataplane::BlockPair {
+                remote: u64::from(*r),
+                local: u64::from(*l),
+            })
+            .collect())
+    }
 }
 
 /// Why a READ was not done (the reader then recomputes).
@@ -551,7 +582,7 @@ impl BlockGuard {
     /// Grow to cover `num_tokens` tokens and hold for `decoder_kv_blocks_ttl_ms`.
     /// With real KV, writes the KV of the generated tokens (`all_tokens` =
     /// prompt then generated, positions `n_prompt..num_tokens`).
-    fn extend_and_hold(
+    async fn extend_and_hold(
         mut self,
         request_id: &str,
         num_tokens: u64,
@@ -561,7 +592,7 @@ impl BlockGuard {
         let e = self.engine.clone();
         let more = e.blocks_for(num_tokens).saturating_sub(self.ids.len());
         let mut ids = std::mem::take(&mut self.ids);
-        ids.extend(e.allocate_blocks(more));
+        ids.extend(e.allocate_blocks(more).await);
         if let Some(kv) = &e.kv {
             kv.write_tokens(&ids, all_tokens, n_prompt, num_tokens as usize);
         }
@@ -960,13 +991,15 @@ async fn spawn_inner(
             let w = weak.clone();
             let r = managed::run_events(link, id, move |request_id| {
                 let Some(e) = w.upgrade() else { return false };
-                e.release_held(request_id);
+                if let Some(id) = request_id {
+                    e.release_held(id);
+                }
                 true
             })
             .await;
-            if let Some(e) = weak.upgrade() {
-                warn!(engine = %e.cfg.engine_id, result = ?r,
-                      "lost the node agent's events: holds are now freed at their deadline");
+            if let (Err(err), Some(e)) = (r, weak.upgrade()) {
+                warn!(engine = %e.cfg.engine_id, error = %err,
+                      "the node agent no longer hosts this engine: holds are freed at their deadline, READs recompute");
                 e.agent_lost.store(true, Ordering::Relaxed);
             }
         });
@@ -1076,40 +1109,40 @@ impl Engine {
 
     /// Evicts the holds that expire first until `n_blocks` are free
     /// (a full cache drops retained KV, as vLLM's prefix cache does).
-    fn evict_for(&self, n_blocks: usize) {
-        let mut holds = self.holds.lock().unwrap();
-        let mut order: Vec<(Instant, String)> = holds
+    /// Managed mode: a hold leased at the agent is freed only once the
+    /// agent has ended its lease (so no reader can renew it any more); the
+    /// agent refuses (`lease_in_use`) while a reader that renewed it is
+    /// reading, and the engine evicts another hold instead.
+    async fn evict_for(&self, n_blocks: usize) {
+        let mut order: Vec<(Instant, String, bool)> = self
+            .holds
+            .lock()
+            .unwrap()
             .iter()
-            .map(|(k, h)| (h.expires_at, k.clone()))
+            .map(|(k, h)| (h.expires_at, k.clone(), h.agent_lease))
             .collect();
         order.sort();
-        let mut alloc = self.alloc.lock().unwrap();
-        let mut at_agent = Vec::new();
-        for (_, k) in order {
-            if alloc.free_blocks() >= n_blocks {
+        let reg = self.kv.as_ref().and_then(|k| k.registration()).cloned();
+        for (_, k, agent_lease) in order {
+            if self.alloc.lock().unwrap().free_blocks() >= n_blocks {
                 break;
             }
-            if let Some(h) = holds.remove(&k) {
-                alloc.release(&h.block_ids);
-                if h.agent_lease {
-                    at_agent.push(k);
-                }
-            }
-        }
-        // Managed mode: end the evicted leases at the agent too, so that no
-        // reader renews them. A READ already under way may still copy the
-        // reused blocks; the reader's byte-exact check then recomputes.
-        if let (false, Some(reg)) = (
-            at_agent.is_empty(),
-            self.kv.as_ref().and_then(|k| k.registration()).cloned(),
-        ) {
-            tokio::spawn(async move {
-                for k in at_agent {
-                    if let Err(e) = reg.release(&k).await {
-                        debug!(request = %k, error = %e, "evicted lease already gone at the agent");
+            if let (true, Some(reg)) = (agent_lease, &reg) {
+                match reg.release(&k).await {
+                    Ok(()) => {}
+                    // Gone at the agent already (notified, expired): its
+                    // release event may still be on the way.
+                    Err(managed::ClientError::Api(e)) if e.kind == "lease" => {}
+                    Err(e) => {
+                        debug!(request = %k, error = %e, "lease kept by the agent; not evicted");
+                        continue;
                     }
                 }
-            });
+            }
+            let h = self.holds.lock().unwrap().remove(&k);
+            if let Some(h) = h {
+                self.alloc.lock().unwrap().release(&h.block_ids);
+            }
         }
     }
 
@@ -1222,7 +1255,7 @@ impl Engine {
 
     /// Allocate `n_blocks` blocks (after sweeping lapsed holds when short;
     /// empty when the cache is full).
-    fn allocate_blocks(&self, n_blocks: usize) -> Vec<u32> {
+    async fn allocate_blocks(&self, n_blocks: usize) -> Vec<u32> {
         if let Some(ids) = self.alloc.lock().unwrap().allocate(n_blocks) {
             return ids;
         }
@@ -1231,7 +1264,7 @@ impl Engine {
             return ids;
         }
         if self.kv.is_some() {
-            self.evict_for(n_blocks);
+            self.evict_for(n_blocks).await;
         }
         self.alloc
             .lock()
@@ -1248,34 +1281,43 @@ impl Engine {
                 block_ids: ids,
                 num_tokens,
                 expires_at: Instant::now() + ttl,
-                agent_lease: false,
+                // Managed mode: the agent's to release from the start, so
+                // that neither the sweep nor an eviction frees the blocks
+                // while the retain is under way.
+                agent_lease: self.kv.as_ref().is_some_and(|k| k.registration().is_some()),
             },
         );
     }
 
-    /// Managed mode: retains a new hold's blocks at the node agent (before
-    /// its params leave the engine, so that a reader's lease check finds
-    /// them) and marks the hold as the agent's to release. When the agent
-    /// refuses, the hold stays local: readers are declined and recompute.
-    async fn retain_at_agent(&self, request_id: &str, ttl: Duration) {
+    /// Managed mode: retains a new hold's blocks at the node agent, before
+    /// its params leave the engine (a reader's lease check must find them).
+    /// Returns whether the params may be sent: `false` when the agent did
+    /// not retain them, or when the hold was evicted meanwhile; the hold is
+    /// then dropped (and any lease the agent made of it released), and the
+    /// caller sends no params: the next turn recomputes.
+    async fn retain_at_agent(&self, request_id: &str, ttl: Duration) -> bool {
         let Some(reg) = self.kv.as_ref().and_then(|k| k.registration()) else {
-            return;
+            return true;
         };
         let ids = match self.holds.lock().unwrap().get(request_id) {
             Some(h) => h.block_ids.clone(),
-            None => return,
+            None => return false,
         };
-        match reg.retain(request_id, &ids, ttl.as_millis() as u64).await {
-            Ok(()) => {
-                if let Some(h) = self.holds.lock().unwrap().get_mut(request_id) {
-                    h.agent_lease = true;
-                }
-            }
-            Err(e) => {
-                warn!(engine = %self.cfg.engine_id, request = %request_id, error = %e,
-                      "the agent did not retain the blocks; readers will recompute");
-            }
+        let r = reg.retain(request_id, &ids, ttl.as_millis() as u64).await;
+        let still_held = self.holds.lock().unwrap().contains_key(request_id);
+        if r.is_ok() && still_held {
+            return true;
         }
+        match r {
+            Ok(()) => debug!(request = %request_id, "hold evicted while being retained"),
+            Err(e) => warn!(engine = %self.cfg.engine_id, request = %request_id, error = %e,
+                            "the agent did not retain the blocks; no params sent"),
+        }
+        if let Err(e) = reg.release(request_id).await {
+            debug!(request = %request_id, error = %e, "no lease to release");
+        }
+        self.release_held(request_id);
+        false
     }
 
     fn params(&self, request_id: &str, block_ids: Vec<u32>, num_tokens: u64) -> Value {
@@ -1592,7 +1634,7 @@ async fn generate(
                     "simulated prefill failure",
                 );
             }
-            let ids = e.allocate_blocks(e.blocks_for(n_prompt));
+            let ids = e.allocate_blocks(e.blocks_for(n_prompt)).await;
             let (reused, verify) = e.pull(&request_id, params, &tokens, true, &ids).await;
             let reused = e.compute_prompt(&ids, &tokens, reused, verify).await;
             let computed = n_prompt - reused;
@@ -1602,8 +1644,11 @@ async fn generate(
             e.report_prefill(n_prompt, reused, prefill_time);
             let lease = Duration::from_millis(e.cfg.lease_ms);
             e.hold_blocks(&request_id, ids.clone(), n_prompt, lease);
-            e.retain_at_agent(&request_id, lease).await;
-            let kv = e.params(&request_id, ids, n_prompt);
+            let kv = if e.retain_at_agent(&request_id, lease).await {
+                e.params(&request_id, ids, n_prompt)
+            } else {
+                Value::Null
+            };
             let choice = match api {
                 Api::Completions => {
                     json!({"index": 0, "text": " tok0", "logprobs": null, "finish_reason": "length"})
@@ -1634,7 +1679,7 @@ async fn generate(
                 );
             }
             let blocks = BlockGuard {
-                ids: e.allocate_blocks(e.blocks_for(n_prompt)),
+                ids: e.allocate_blocks(e.blocks_for(n_prompt)).await,
                 engine: e.clone(),
             };
             let (reused, verify) = e
@@ -1730,9 +1775,14 @@ async fn decode_full(job: DecodeJob, body: &Value) -> Response {
     let text = words(max_tokens).join(" ");
     let normal = finish == "stop" || finish == "length";
     let kv = if normal {
-        let ids = blocks.extend_and_hold(&request_id, held, &all_tokens, n_prompt as usize);
-        e.retain_at_agent(&request_id, e.decoder_ttl()).await;
-        e.params(&request_id, ids, held)
+        let ids = blocks
+            .extend_and_hold(&request_id, held, &all_tokens, n_prompt as usize)
+            .await;
+        if e.retain_at_agent(&request_id, e.decoder_ttl()).await {
+            e.params(&request_id, ids, held)
+        } else {
+            Value::Null
+        }
     } else {
         Value::Null
     };
@@ -1851,9 +1901,14 @@ fn decode_stream(job: DecodeJob, body: Value) -> Response {
             return;
         }
         if finish == "stop" || finish == "length" {
-            let ids = blocks.extend_and_hold(&request_id, held, &all_tokens, n_prompt);
-            e.retain_at_agent(&request_id, e.decoder_ttl()).await;
-            let kv = e.params(&request_id, ids, held);
+            let ids = blocks
+                .extend_and_hold(&request_id, held, &all_tokens, n_prompt)
+                .await;
+            let kv = if e.retain_at_agent(&request_id, e.decoder_ttl()).await {
+                e.params(&request_id, ids, held)
+            } else {
+                Value::Null
+            };
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
             if tx
                 .send(Ok(bytes::Bytes::from(format!("data: {v}\n\n"))))
@@ -1962,8 +2017,13 @@ async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRead>) -> Res
     if r.defer_release {
         let Some(kv) = e.kv.as_ref().filter(|k| k.transfer_engine().is_some()) else {
             return refuse(format!(
-                "request {}: defer_release needs kv_mode inproc; this engine is in kv_mode {:?}",
-                r.remote_request_id, e.cfg.kv_mode
+                "request {}: defer_release needs kv_mode inproc; this engine is in kv_mode {}",
+                r.remote_request_id,
+                match e.cfg.kv_mode {
+                    KvMode::None => "none",
+                    KvMode::Inproc => "inproc",
+                    KvMode::Agent => "agent (READ through the node agents)",
+                }
             ));
         };
         let mut h = holds.remove(&r.remote_request_id).expect("checked above");

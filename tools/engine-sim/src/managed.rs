@@ -5,7 +5,8 @@
 //! - [`AgentLink`]: a pool of connections to the agent. Each connection
 //!   carries one request at a time (a managed READ holds its connection for
 //!   the READ's duration), so concurrent requests each take their own
-//!   connection; connections that failed are dropped, not reused.
+//!   connection; a connection whose request failed at the socket level or
+//!   was cancelled (its caller's future dropped) is dropped, not reused.
 //! - [`Registration`] (`--kv-mode agent`, managed mode): the engine's memfd
 //!   KV regions registered with the agent, which maps the same pages, serves
 //!   remote READs of them on the side channel it returns, and keeps the
@@ -23,9 +24,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use kvloop_agent_api::client::{AgentClient, ClientError};
+pub use kvloop_agent_api::client::{AgentClient, ClientError};
 use kvloop_agent_api::proto::{EngineEvent, ReadDirection};
-use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
+use kvloop_dataplane::{HostRegion, KvLayout};
 use tracing::warn;
 
 use crate::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
@@ -65,7 +66,7 @@ impl Pooled<'_> {
 
 impl Drop for Pooled<'_> {
     fn drop(&mut self) {
-        if let Some(c) = self.client.take() {
+        if let Some(c) = self.client.take().filter(|c| !c.is_poisoned()) {
             let mut idle = self.link.idle.lock().unwrap();
             if idle.len() < MAX_IDLE_CONNECTIONS {
                 idle.push(c);
@@ -238,21 +239,26 @@ impl Registration {
 /// Waits for the agent's events of `engine_id` on a connection of its own
 /// and calls `released(request_id)` for every lease the agent released
 /// (all owner notifications received, TTL lapsed, owner release). Returns
-/// when `released` returns `false` (the engine is gone) or the connection
-/// fails (the agent is gone: the registration is gone with it).
+/// `Ok` when `released` returns `false` (the engine is gone; checked at
+/// least every second), or the error that ended the stream: the agent is
+/// gone ([`ClientError::Io`]) or no longer hosts the engine
+/// (`unknown_engine`); either way the registration is gone with it.
 ///
 /// # Errors
-/// The connection's error.
+/// As above.
 pub async fn run_events(
     link: Arc<AgentLink>,
     engine_id: String,
-    mut released: impl FnMut(&str) -> bool,
+    mut released: impl FnMut(Option<&str>) -> bool,
 ) -> Result<(), ClientError> {
     let c = AgentClient::connect(link.path(), &format!("{engine_id}-events")).await?;
     loop {
+        if !released(None) {
+            return Ok(());
+        }
         for ev in c.events(&engine_id, 1000).await? {
             if let EngineEvent::Released(r) = ev
-                && !released(&r.request_id)
+                && !released(Some(&r.request_id))
             {
                 return Ok(());
             }
@@ -315,25 +321,8 @@ impl AgentTransfer {
 impl KvTransfer for AgentTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
-            let bs = u64::from(req.block_size_tokens.max(1));
-            let n_blocks = req.num_tokens.div_ceil(bs) as usize;
-            if req.remote_block_ids.len() < n_blocks || req.local_block_ids.len() < n_blocks {
-                return Err(TransferError::Declined(format!(
-                    "{} tokens need {n_blocks} blocks; remote has {}, local {}",
-                    req.num_tokens,
-                    req.remote_block_ids.len(),
-                    req.local_block_ids.len()
-                )));
-            }
+            let blocks = req.block_pairs()?;
             self.ensure_connected(&req).await?;
-            let blocks: Vec<BlockPair> = req.remote_block_ids[..n_blocks]
-                .iter()
-                .zip(&req.local_block_ids[..n_blocks])
-                .map(|(r, l)| BlockPair {
-                    remote: u64::from(*r),
-                    local: u64::from(*l),
-                })
-                .collect();
             let engine_id = &self.reg.engine_id;
             let r = self
                 .reg

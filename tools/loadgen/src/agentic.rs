@@ -156,8 +156,8 @@ pub struct AgenticSpec {
     /// Tokens of each later turn's tool output (at least).
     pub tool_output_tokens: u64,
     /// Each later turn's tool output is also at least this fraction of the
-    /// conversation's prefix (0 = off), so that the new part of a turn grows
-    /// with the conversation as in the published runs: their ON TTFTs imply
+    /// conversation's prefix (0 = off), so that the new part of a turn
+    /// scales with the conversation's size as in the published runs: their ON TTFTs imply
     /// about 9k new of 24k tokens for Qwen3-32B and 4k of 20k for GLM-5-FP8
     /// (see kvloop-engine-sim's `profile` module).
     pub tool_output_fraction: f64,
