@@ -337,7 +337,10 @@ async fn an_evicted_hold_is_released_at_the_agent_before_its_blocks_are_reused()
     let (_, r) = post(&format!("{}/v1/completions", p.url()), next(&turns[0])).await;
     assert_eq!(r["kvloop_sim"]["reused_tokens"], 0, "{r}");
     let (_, r) = post(&format!("{}/v1/completions", p.url()), next(&turns[2])).await;
-    assert!(r["kvloop_sim"]["reused_tokens"].as_u64().unwrap() > 0, "{r}");
+    assert!(
+        r["kvloop_sim"]["reused_tokens"].as_u64().unwrap() > 0,
+        "{r}"
+    );
     let ps = p.engine.stats();
     assert_eq!(ps.reads_declined, 1, "{ps:?}");
     assert_eq!(ps.mismatched_blocks, 0, "{ps:?}");
