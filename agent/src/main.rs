@@ -119,9 +119,16 @@ fn main() -> anyhow::Result<()> {
         libc::signal(libc::SIGINT, libc::SIG_DFL);
     }
     let cli = Cli::parse();
-    // netlink-packet-route warns about every attribute newer than itself.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| "info,netlink_packet_route=error".into());
+    // netlink-packet-route warns about every attribute newer than itself,
+    // once per link dump: silenced whatever RUST_LOG says, unless RUST_LOG
+    // names it.
+    let env = std::env::var("RUST_LOG").unwrap_or_default();
+    let mut filter =
+        tracing_subscriber::EnvFilter::try_new(if env.is_empty() { "info" } else { &env })
+            .unwrap_or_else(|_| "info".into());
+    if !env.contains("netlink_packet_route") {
+        filter = filter.add_directive("netlink_packet_route=error".parse().expect("directive"));
+    }
     if cli.log_json {
         tracing_subscriber::fmt()
             .json()

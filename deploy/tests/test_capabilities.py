@@ -97,7 +97,7 @@ class Agent:
         self.proc = subprocess.Popen(
             as_in_the_daemonset(caps, [str(kvloop_bin("kvloop-agent")), "--config", str(cfg)]),
             stdout=subprocess.PIPE, stderr=open(self.err_path, "w"), text=True,
-            env={**os.environ, "RUST_LOG": "info,netlink_packet_route=error", "NO_COLOR": "1"},
+            env={**os.environ, "RUST_LOG": "info", "NO_COLOR": "1"},
             start_new_session=True)
         self.ready = ""
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -219,7 +219,7 @@ def stack():
                     if os.geteuid() == 0:
                         argv = as_in_the_daemonset(daemonset_caps(), argv)
                     procs.start(f"agent-{me}", argv,
-                                env={"RUST_LOG": "info,netlink_packet_route=error"}, ready="READY")
+                                env={"RUST_LOG": "info"}, ready="READY")
                 targets["agent"] = [f"127.0.0.1:{ports['a']}", f"127.0.0.1:{ports['b']}"]
             except AssertionError as e:
                 agent_error = str(e)
