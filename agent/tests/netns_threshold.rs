@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{AgentProc, have_root, workspace_bin};
 use kvloop_agent::client::AgentClient;
+use kvloop_cli::child::ReadyChild;
 use kvloop_cli::netns::NodePair;
 
 const TOKEN: &str = "e2e-secret";
@@ -123,15 +124,7 @@ regions_per_block = 2
     p
 }
 
-struct Router(std::process::Child);
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_router(dir: &Path, ns: &str, listen: &str) -> Router {
+fn start_router(dir: &Path, ns: &str, listen: &str) -> ReadyChild {
     let cfg = dir.join("router.toml");
     std::fs::write(
         &cfg,
@@ -158,17 +151,8 @@ side_channel_port = 5601
     let mut c = NodePair::command_in(ns, &workspace_bin("kvloop-router"));
     c.arg("--config").arg(&cfg);
     c.env("RUST_LOG", "warn");
-    c.stdout(std::process::Stdio::piped());
-    let mut child = c.spawn().expect("spawn kvloop-router");
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-    assert!(line.starts_with("READY"), "router: {line}");
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = out.read_to_string(&mut sink);
-    });
-    Router(child)
+    ReadyChild::start("kvloop-router", c, None, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// Samples of the synthetic prefill model, deterministic ±3 % ripple.

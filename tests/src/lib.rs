@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-pub use kvloop_cli::child::NodeChild;
+pub use kvloop_cli::child::{NodeChild, ReadyChild};
 pub use kvloop_cli::netns::NodePair;
 
 /// Path of a workspace binary next to the running test (`target/<profile>/<name>`).

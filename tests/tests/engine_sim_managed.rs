@@ -8,25 +8,18 @@
 //! reading engine. Params that name blocks the lease does not retain, or
 //! that were used already, are declined and the engine recomputes.
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use kvloop_engine_sim::{KvMode, Role, SimConfig, SimHandle, TokenizerKind, spawn};
-use kvloop_tests::bin;
+use kvloop_tests::{ReadyChild, bin};
 use serde_json::{Value, json};
 
-/// A running `kvloop-agent`, killed on drop.
+/// A running `kvloop-agent`.
 struct Agent {
-    child: Child,
+    _child: ReadyChild,
     http: String,
     socket: PathBuf,
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn free_port() -> u16 {
@@ -64,28 +57,12 @@ http = "127.0.0.1:{peer_http}"
             ),
         )
         .unwrap();
-        let mut child = Command::new(bin("kvloop-agent"))
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "warn,netlink_packet_route=error")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvloop-agent");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("kvloop-agent READY line within 60 s");
-        assert!(line.starts_with("READY "), "agent {name}: {line}");
+        let mut cmd = Command::new(bin("kvloop-agent"));
+        cmd.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
+        let child = ReadyChild::start(name, cmd, None, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e:#}"));
         Agent {
-            child,
+            _child: child,
             http: format!("127.0.0.1:{http}"),
             socket,
         }

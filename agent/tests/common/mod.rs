@@ -1,11 +1,11 @@
 //! Helpers of the agent's integration tests: start real `kvloop-agent`
 //! processes and wait for their `READY` line.
 #![allow(dead_code)]
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
+
+use kvloop_cli::child::ReadyChild;
 
 // Shared with the workspace's end-to-end tests (`tests/src/lib.rs`): CI
 // policy (a missing real dependency fails under CI=true) and binary lookup.
@@ -24,12 +24,11 @@ pub fn free_port(ip: &str) -> u16 {
 
 /// A running agent process.
 pub struct AgentProc {
-    child: Child,
+    child: ReadyChild,
     /// Its HTTP address.
     pub http: String,
     /// Its socket.
     pub socket: PathBuf,
-    lines: mpsc::Receiver<String>,
 }
 
 impl AgentProc {
@@ -46,64 +45,21 @@ impl AgentProc {
         };
         cmd.arg("--config").arg(config);
         if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env(
-                "RUST_LOG",
-                "warn,kvloop_agent=info,netlink_packet_route=error",
-            );
+            cmd.env("RUST_LOG", "warn,kvloop_agent=info");
         }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvloop-agent");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("kvloop-agent READY line within 60 s");
-        assert!(line.starts_with("READY "), "unexpected first line: {line}");
-        let http = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("http="))
-            .expect("http=")
-            .to_string();
+        let child = ReadyChild::start("kvloop-agent", cmd, None, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let http = child.get("http").expect("http= in READY");
         Self {
             child,
             http,
             socket: socket.to_path_buf(),
-            lines: rx,
         }
     }
 
     /// Sends SIGTERM and waits (bounded) for a clean exit; returns whether
     /// it exited by itself.
     pub fn stop(&mut self) -> bool {
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        for _ in 0..100 {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return st.success();
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        false
-    }
-}
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.child.terminate(Duration::from_secs(5))
     }
 }

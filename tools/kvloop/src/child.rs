@@ -1,9 +1,17 @@
-//! A `kvloop node` child process driven over stdin/stdout (used by `bench`
-//! and `demo`; tests drive the same binary the same way).
+//! Child processes of kvloop's tools and tests:
+//!
+//! - [`NodeChild`]: a `kvloop node` driven over stdin/stdout (used by
+//!   `bench` and `demo dataplane`; tests drive the same binary the same way).
+//! - [`ReadyChild`]: a daemon (`kvloop-agent`, `kvloop-router`,
+//!   `kvloop-engine-sim`) that announces itself with one
+//!   `READY key=value ...` line on stdout (used by `demo` and the
+//!   end-to-end tests).
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -89,5 +97,122 @@ impl Drop for NodeChild {
         let _ = writeln!(self.stdin, "{{\"cmd\":\"quit\"}}");
         std::thread::sleep(Duration::from_millis(20));
         self.kill();
+    }
+}
+
+/// A daemon started with its stdout piped, ready once it printed
+/// `READY key=value ...`; stopped (SIGTERM, then SIGKILL after 1 s) on drop,
+/// and killed by the kernel if this process dies first (`PR_SET_PDEATHSIG`).
+pub struct ReadyChild {
+    name: String,
+    child: Child,
+    ready: Vec<(String, String)>,
+}
+
+impl ReadyChild {
+    /// Spawns `cmd` (stdout piped; stderr to the file `stderr`, or inherited
+    /// when `None`) and waits up to `timeout` for its `READY` line. Later
+    /// stdout lines are drained so the child never blocks on a full pipe.
+    ///
+    /// # Errors
+    /// When it cannot start, or prints no `READY` line in time (the error
+    /// names `name` and the log file).
+    pub fn start(
+        name: &str,
+        mut cmd: Command,
+        stderr: Option<&Path>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let err = match stderr {
+            Some(log) => Stdio::from(
+                std::fs::File::create(log)
+                    .with_context(|| format!("creating {}", log.display()))?,
+            ),
+            None => Stdio::inherit(),
+        };
+        // SAFETY: prctl in the child before exec; async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        let out = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut line = String::new();
+            let _ = r.read_line(&mut line);
+            let _ = tx.send(line);
+            let mut sink = String::new();
+            while r.read_line(&mut sink).is_ok_and(|n| n > 0) {
+                sink.clear();
+            }
+        });
+        let mut me = Self {
+            name: name.to_string(),
+            child,
+            ready: Vec::new(),
+        };
+        let line = rx.recv_timeout(timeout).unwrap_or_default();
+        if !line.starts_with("READY") {
+            let log = stderr.map_or("its stderr above".to_string(), |l| l.display().to_string());
+            bail!(
+                "{name} did not start (no READY line within {timeout:?}; got {line:?}); see {log}"
+            );
+        }
+        me.ready = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|p| {
+                p.split_once('=')
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+            })
+            .collect();
+        Ok(me)
+    }
+
+    /// The value of `key` in the `READY` line.
+    ///
+    /// # Errors
+    /// When the line has no such key.
+    pub fn get(&self, key: &str) -> Result<String> {
+        self.ready
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .with_context(|| format!("{}: READY line without {key}=", self.name))
+    }
+
+    /// Sends SIGTERM and waits up to `grace` for the process to exit, then
+    /// kills it. Returns whether it exited by itself with status 0.
+    pub fn terminate(&mut self, grace: Duration) -> bool {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            return st.success();
+        }
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        false
+    }
+}
+
+impl Drop for ReadyChild {
+    fn drop(&mut self) {
+        self.terminate(Duration::from_secs(1));
     }
 }

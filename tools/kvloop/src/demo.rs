@@ -23,15 +23,14 @@
 //! `slow-link`: the same with `tc tbf` lowering node B's egress (what P reads
 //! from D) mid-run of every mode.
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use kvloop_cli::child::ReadyChild;
 use kvloop_cli::netns::NodePair;
 use kvloop_loadgen::tokenizer::TokenCounter;
 use kvloop_loadgen::{agentic, chart, client, report};
@@ -132,93 +131,6 @@ pub struct Row {
     pub p2d_transfer_ms_p50: Option<f64>,
     /// Recompute threshold in force (router static or agent-pushed), tokens.
     pub threshold_tokens: Option<u64>,
-}
-
-/// A child process started by the demo; killed (SIGTERM, then SIGKILL) on drop.
-struct Proc {
-    name: String,
-    child: Child,
-    ready: Vec<(String, String)>,
-}
-
-impl Proc {
-    /// Spawns `cmd` (stdout piped, stderr to `log`), waits for its
-    /// `READY key=value ...` line.
-    fn start(name: &str, mut cmd: Command, log: &Path, timeout: Duration) -> Result<Self> {
-        let err =
-            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        // SAFETY: prctl in the child before exec; async-signal-safe.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(err))
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        let out = child.stdout.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(out);
-            let mut line = String::new();
-            let _ = r.read_line(&mut line);
-            let _ = tx.send(line);
-            // Keep draining so the child never blocks on a full pipe.
-            let mut sink = String::new();
-            while r.read_line(&mut sink).is_ok_and(|n| n > 0) {
-                sink.clear();
-            }
-        });
-        let mut me = Self {
-            name: name.to_string(),
-            child,
-            ready: Vec::new(),
-        };
-        let line = rx.recv_timeout(timeout).unwrap_or_default();
-        if !line.starts_with("READY") {
-            bail!(
-                "{name} did not start (no READY line within {timeout:?}); see {}",
-                log.display()
-            );
-        }
-        me.ready = line
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|p| {
-                p.split_once('=')
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-            })
-            .collect();
-        Ok(me)
-    }
-
-    fn get(&self, key: &str) -> Result<String> {
-        self.ready
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.clone())
-            .with_context(|| format!("{}: READY line without {key}=", self.name))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let pid = self.child.id() as i32;
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        for _ in 0..50 {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Where the nodes are.
@@ -549,13 +461,11 @@ async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()>
             let path = a.out_dir.join(format!("{name}.toml"));
             std::fs::write(&path, toml)?;
             let mut c = topo.cmd(node_b, &agent_bin);
-            c.arg("--config")
-                .arg(&path)
-                .env("RUST_LOG", "warn,netlink_packet_route=error");
-            agents.push(Proc::start(
+            c.arg("--config").arg(&path).env("RUST_LOG", "warn");
+            agents.push(ReadyChild::start(
                 name,
                 c,
-                &logs.join(format!("{name}.log")),
+                Some(&logs.join(format!("{name}.log"))),
                 Duration::from_secs(60),
             )?);
         }
@@ -566,7 +476,7 @@ async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()>
     };
 
     // Engines.
-    let engine = |role: &str, id: &str, ip: IpAddr, node_b: bool| -> Result<Proc> {
+    let engine = |role: &str, id: &str, ip: IpAddr, node_b: bool| -> Result<ReadyChild> {
         let mut c = topo.cmd(node_b, &sim);
         c.args(["--role", role, "--engine-id", id])
             .args(["--http-addr", &format!("{ip}:0")])
@@ -580,10 +490,10 @@ async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) -> Result<()>
             .args(["--kv-capacity-tokens", &a.kv_capacity_tokens.to_string()])
             .args(["--decode-us-per-token", &a.decode_us_per_token.to_string()])
             .env("RUST_LOG", "warn");
-        Proc::start(
+        ReadyChild::start(
             id,
             c,
-            &logs.join(format!("{id}.log")),
+            Some(&logs.join(format!("{id}.log"))),
             Duration::from_secs(30),
         )
     };
@@ -647,10 +557,10 @@ block_size_tokens = 16
         if mode == "adaptive" {
             rc.args(["--listen", &adaptive_router]);
         }
-        let router = Proc::start(
+        let router = ReadyChild::start(
             "router",
             rc,
-            &logs.join(format!("router-{mode}.log")),
+            Some(&logs.join(format!("router-{mode}.log"))),
             Duration::from_secs(20),
         )?;
         let router_url = format!("http://{}", router.get("http")?);
