@@ -32,10 +32,12 @@ use kvloop_dataplane::{
     BackendConfig, EngineConfig, HostRegion, KvLayout, TransferEngine,
     engine::{OwnerNotify, ReadRequest as DpReadRequest},
 };
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::managed::{AgentLink, Registration};
-use crate::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
+use crate::{
+    KvTransfer, ReadFuture, ReadRequest, TransferError, claim_on_side_channel, side_channel_http,
+};
 
 /// Shape of the simulated KV cache.
 #[derive(Clone, Debug)]
@@ -361,10 +363,7 @@ impl DataplaneTransfer {
     /// engine, `PrefillToDecode` for D).
     pub fn new(kv: Arc<KvMemory>, direction: Direction, read_timeout_ms: u64) -> Self {
         Self {
-            http: reqwest::Client::builder()
-                .tcp_nodelay(true)
-                .build()
-                .expect("http client"),
+            http: side_channel_http(),
             kv,
             direction,
             read_timeout_ms,
@@ -376,41 +375,15 @@ impl KvTransfer for DataplaneTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
             let blocks = req.block_pairs()?;
-            let url = format!(
-                "http://{}/kv/read",
-                host_port(&req.remote_host, req.remote_port)
-            );
-            let body = json!({
-                "remote_request_id": req.remote_request_id,
-                "remote_engine_id": req.remote_engine_id,
-                "block_ids": req.remote_block_ids,
-                "num_tokens": req.num_tokens,
-                "reader_engine_id": req.reader_engine_id,
-                "defer_release": true,
-            });
-            let resp = self
-                .http
-                .post(&url)
-                .json(&body)
-                .send()
-                .await
-                .map_err(|e| TransferError::SideChannel(format!("{url}: {e}")))?;
-            if !resp.status().is_success() {
-                let status = resp.status();
-                let text = resp.text().await.unwrap_or_default();
-                return Err(TransferError::Declined(format!("{status}: {text}")));
-            }
-            let v: Value = resp
-                .json()
-                .await
-                .map_err(|e| TransferError::SideChannel(format!("{url}: reply: {e}")))?;
+            let v = claim_on_side_channel(&self.http, &req, true).await?;
             let addr: SocketAddr = v
                 .get("dataplane_addr")
                 .and_then(Value::as_str)
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| {
                     TransferError::SideChannel(format!(
-                        "{url}: reply without a dataplane_addr (ip:port): {v}"
+                        "{}:{}: claim answer without a dataplane_addr (ip:port): {v}",
+                        req.remote_host, req.remote_port
                     ))
                 })?;
             self.kv

@@ -522,10 +522,7 @@ impl SimulatedTransfer {
     /// A transfer with the given per-token cost (microseconds).
     pub fn new(transfer_us_per_token: u64) -> Self {
         Self {
-            http: reqwest::Client::builder()
-                .tcp_nodelay(true)
-                .build()
-                .expect("http client"),
+            http: side_channel_http(),
             transfer_us_per_token,
         }
     }
@@ -543,33 +540,68 @@ pub fn host_port(host: &str, port: u16) -> String {
 impl KvTransfer for SimulatedTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
-            let url = format!(
-                "http://{}/kv/read",
-                host_port(&req.remote_host, req.remote_port)
-            );
-            let body = json!({
-                "remote_request_id": req.remote_request_id,
-                "remote_engine_id": req.remote_engine_id,
-                "block_ids": req.remote_block_ids,
-                "num_tokens": req.num_tokens,
-                "reader_engine_id": req.reader_engine_id,
-            });
-            let resp = self
-                .http
-                .post(&url)
-                .json(&body)
-                .send()
-                .await
-                .map_err(|e| TransferError::SideChannel(format!("{url}: {e}")))?;
-            if !resp.status().is_success() {
-                let status = resp.status();
-                let text = resp.text().await.unwrap_or_default();
-                return Err(TransferError::Declined(format!("{status}: {text}")));
-            }
+            claim_on_side_channel(&self.http, &req, false).await?;
             sleep_us(self.transfer_us_per_token * req.num_tokens).await;
             Ok(req.num_tokens)
         })
     }
+}
+
+/// An HTTP client for side-channel claims (no Nagle delay).
+pub(crate) fn side_channel_http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .build()
+        .expect("http client")
+}
+
+/// Claims the emitter's held blocks on its side channel (`POST /kv/read`):
+/// the emitter checks that the hold exists, covers the blocks and tokens and
+/// does not expire within its margin. With `defer_release` it keeps the
+/// blocks until the reader's owner notification and answers with its
+/// transfer engine's address; without, the claim itself frees them.
+/// Returns the emitter's JSON answer (null when it has no body).
+///
+/// # Errors
+/// [`TransferError::SideChannel`] when unreachable or the answer is not
+/// JSON; [`TransferError::Declined`] when the emitter refuses.
+pub(crate) async fn claim_on_side_channel(
+    http: &reqwest::Client,
+    req: &ReadRequest,
+    defer_release: bool,
+) -> Result<Value, TransferError> {
+    let url = format!(
+        "http://{}/kv/read",
+        host_port(&req.remote_host, req.remote_port)
+    );
+    let body = json!({
+        "remote_request_id": req.remote_request_id,
+        "remote_engine_id": req.remote_engine_id,
+        "block_ids": req.remote_block_ids,
+        "num_tokens": req.num_tokens,
+        "reader_engine_id": req.reader_engine_id,
+        "defer_release": defer_release,
+    });
+    let resp = http
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| TransferError::SideChannel(format!("{url}: {e}")))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        return Err(TransferError::Declined(format!("{status}: {text}")));
+    }
+    let bytes = resp
+        .bytes()
+        .await
+        .map_err(|e| TransferError::SideChannel(format!("{url}: reply: {e}")))?;
+    if bytes.is_empty() {
+        return Ok(Value::Null);
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| TransferError::SideChannel(format!("{url}: reply: {e}")))
 }
 
 /// A decode request's blocks: released on drop unless held for the next turn.
@@ -579,7 +611,8 @@ struct BlockGuard {
 }
 
 impl BlockGuard {
-    /// Grow to cover `num_tokens` tokens and hold for `decoder_kv_blocks_ttl_ms`.
+    /// Grow to cover `num_tokens` tokens and hold for `decoder_kv_blocks_ttl_ms`
+    /// ([`Engine::hold`]: returns the params of the next turn, or null).
     /// With real KV, writes the KV of the generated tokens (`all_tokens` =
     /// prompt then generated, positions `n_prompt..num_tokens`).
     async fn extend_and_hold(
@@ -588,7 +621,7 @@ impl BlockGuard {
         num_tokens: u64,
         all_tokens: &[u32],
         n_prompt: usize,
-    ) -> Vec<u32> {
+    ) -> Value {
         let e = self.engine.clone();
         let more = e.blocks_for(num_tokens).saturating_sub(self.ids.len());
         let mut ids = std::mem::take(&mut self.ids);
@@ -596,8 +629,7 @@ impl BlockGuard {
         if let Some(kv) = &e.kv {
             kv.write_tokens(&ids, all_tokens, n_prompt, num_tokens as usize);
         }
-        e.hold_blocks(request_id, ids.clone(), num_tokens, e.decoder_ttl());
-        ids
+        e.hold(request_id, ids, num_tokens, e.decoder_ttl()).await
     }
 }
 
@@ -1273,6 +1305,19 @@ impl Engine {
             .unwrap_or_default()
     }
 
+    /// Holds `ids` (covering `num_tokens` tokens) for `ttl` under
+    /// `request_id` for a reader and returns the `kv_transfer_params` that
+    /// describe them, or null when they cannot be read (managed mode: the
+    /// agent did not retain them, see [`Engine::retain_at_agent`]).
+    async fn hold(&self, request_id: &str, ids: Vec<u32>, num_tokens: u64, ttl: Duration) -> Value {
+        self.hold_blocks(request_id, ids.clone(), num_tokens, ttl);
+        if self.retain_at_agent(request_id, ttl).await {
+            self.params(request_id, ids, num_tokens)
+        } else {
+            Value::Null
+        }
+    }
+
     /// Hold `ids` (covering `num_tokens` tokens) for `ttl` under `request_id`.
     fn hold_blocks(&self, request_id: &str, ids: Vec<u32>, num_tokens: u64, ttl: Duration) {
         self.holds.lock().unwrap().insert(
@@ -1642,13 +1687,14 @@ async fn generate(
             e.metrics.ttft_seconds.observe(prefill_time.as_secs_f64());
             e.metrics.generation_tokens.inc();
             e.report_prefill(n_prompt, reused, prefill_time);
-            let lease = Duration::from_millis(e.cfg.lease_ms);
-            e.hold_blocks(&request_id, ids.clone(), n_prompt, lease);
-            let kv = if e.retain_at_agent(&request_id, lease).await {
-                e.params(&request_id, ids, n_prompt)
-            } else {
-                Value::Null
-            };
+            let kv = e
+                .hold(
+                    &request_id,
+                    ids,
+                    n_prompt,
+                    Duration::from_millis(e.cfg.lease_ms),
+                )
+                .await;
             let choice = match api {
                 Api::Completions => {
                     json!({"index": 0, "text": " tok0", "logprobs": null, "finish_reason": "length"})
@@ -1775,14 +1821,9 @@ async fn decode_full(job: DecodeJob, body: &Value) -> Response {
     let text = words(max_tokens).join(" ");
     let normal = finish == "stop" || finish == "length";
     let kv = if normal {
-        let ids = blocks
+        blocks
             .extend_and_hold(&request_id, held, &all_tokens, n_prompt as usize)
-            .await;
-        if e.retain_at_agent(&request_id, e.decoder_ttl()).await {
-            e.params(&request_id, ids, held)
-        } else {
-            Value::Null
-        }
+            .await
     } else {
         Value::Null
     };
@@ -1901,14 +1942,9 @@ fn decode_stream(job: DecodeJob, body: Value) -> Response {
             return;
         }
         if finish == "stop" || finish == "length" {
-            let ids = blocks
+            let kv = blocks
                 .extend_and_hold(&request_id, held, &all_tokens, n_prompt)
                 .await;
-            let kv = if e.retain_at_agent(&request_id, e.decoder_ttl()).await {
-                e.params(&request_id, ids, held)
-            } else {
-                Value::Null
-            };
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [], "kv_transfer_params": kv});
             if tx
                 .send(Ok(bytes::Bytes::from(format!("data: {v}\n\n"))))
