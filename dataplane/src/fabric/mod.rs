@@ -1085,24 +1085,12 @@ impl Drop for FabricBackend {
         // Let in-flight operations finish (bounded) before closing anything:
         // closing an endpoint or registration under an outstanding READ can
         // crash inside the provider.
-        if !self.quiesce(Duration::from_secs(2)) {
+        let quiet = self.quiesce(Duration::from_secs(2));
+        if !quiet {
             tracing::warn!(
                 outstanding = self.shared.outstanding.load(Ordering::Acquire),
                 "libfabric backend dropped with READs in flight: leaking the endpoint and registrations"
             );
-            self.shared.stop.store(true, Ordering::Release);
-            if let Some(t) = self.thread.take() {
-                self.shared.wake();
-                let _ = t.join();
-            }
-            for (_, p) in self.shared.pending.lock().unwrap().drain() {
-                if let Some(d) = p.done {
-                    d.complete(Err(DataplaneError::Shutdown));
-                }
-            }
-            // Never close provider objects under in-flight operations.
-            std::mem::forget(self.shared.clone());
-            return;
         }
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
@@ -1114,6 +1102,10 @@ impl Drop for FabricBackend {
             if let Some(d) = p.done {
                 d.complete(Err(DataplaneError::Shutdown));
             }
+        }
+        if !quiet {
+            // Never close provider objects under in-flight operations.
+            std::mem::forget(self.shared.clone());
         }
     }
 }
