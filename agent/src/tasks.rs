@@ -41,6 +41,39 @@ async fn discovery_loop(agent: Arc<Agent>) {
     loop {
         tick.tick().await;
         refresh_peers(&agent).await;
+        connect_probe_paths(&agent).await;
+    }
+}
+
+/// Connects the probe engine to every known peer's probe engine not
+/// connected yet (the discovery loop's job, never a READ's).
+async fn connect_probe_paths(agent: &Agent) {
+    let Some(pe) = &agent.probe_engine else {
+        return;
+    };
+    let theirs: Vec<(String, crate::agent::EngineAddr)> = agent
+        .peers
+        .read()
+        .unwrap()
+        .iter()
+        .filter_map(|(n, p)| {
+            p.info
+                .as_ref()
+                .and_then(|i| i.probe.clone())
+                .map(|pr| (n.clone(), pr))
+        })
+        .collect();
+    let connected = pe.peers();
+    for (name, pr) in theirs {
+        if connected.contains(&pr.engine_id) {
+            continue;
+        }
+        match pe.connect(pr.side_channel).await {
+            Ok(_) => {
+                tracing::info!(peer = %name, side_channel = %pr.side_channel, "probe path connected")
+            }
+            Err(e) => tracing::warn!(peer = %name, error = %e, "probe path connect failed"),
+        }
     }
 }
 
@@ -60,7 +93,8 @@ pub async fn refresh_peers(agent: &Agent) {
     }
 }
 
-/// Queries one peer agent's engines and records them.
+/// Queries one peer agent's engines and records them (no connecting: a
+/// READ may be waiting on this).
 async fn discover_peer(agent: &Agent, name: &str, http: std::net::SocketAddr) {
     let url = format!("http://{http}/v1/engines");
     let info = match agent.http.get(&url).send().await {
@@ -89,18 +123,6 @@ async fn discover_peer(agent: &Agent, name: &str, http: std::net::SocketAddr) {
     if info.version != crate::http::API_VERSION {
         tracing::warn!(peer = %name, version = info.version, "peer speaks another agent API version; ignored");
         return;
-    }
-    if let (Some(pe), Some(theirs)) = (&agent.probe_engine, &info.probe)
-        && !pe.peers().contains(&theirs.engine_id)
-    {
-        match pe.connect(theirs.side_channel).await {
-            Ok(_) => {
-                tracing::info!(peer = %name, side_channel = %theirs.side_channel, "probe path connected")
-            }
-            Err(e) => {
-                tracing::warn!(peer = %name, error = %e, "probe path connect failed")
-            }
-        }
     }
     if let Some(p) = agent.peers.write().unwrap().get_mut(name) {
         p.info = Some(info);
