@@ -515,10 +515,7 @@ impl Probes {
         binary: impl AsRef<Path>,
         pid: Option<u32>,
     ) -> Result<(), ProbeError> {
-        let target = std::fs::canonicalize(binary.as_ref()).map_err(|e| ProbeError::Invalid {
-            field: "binary",
-            message: format!("{}: {e}", binary.as_ref().display()),
-        })?;
+        let target = canonical(binary.as_ref(), "binary")?;
         let mut k = self.kernel()?;
         let [post, done] = kvloop_common::usdt::SYMBOLS;
         Self::attach_uprobe(&mut k, "kvloop_read_post", post, &target, pid)?;
@@ -555,10 +552,7 @@ impl Probes {
         binary: impl AsRef<Path>,
         pid: Option<u32>,
     ) -> Result<(), ProbeError> {
-        let target = std::fs::canonicalize(binary.as_ref()).map_err(|e| ProbeError::Invalid {
-            field: "binary",
-            message: format!("{}: {e}", binary.as_ref().display()),
-        })?;
+        let target = canonical(binary.as_ref(), "binary")?;
         let mut k = self.kernel()?;
         for sym in kvloop_common::usdt::SYMBOLS {
             Self::attach_uprobe(&mut k, "kvloop_noop", sym, &target, pid)?;
@@ -578,10 +572,7 @@ impl Probes {
         lib: impl AsRef<Path>,
         pid: Option<u32>,
     ) -> Result<Vec<String>, ProbeError> {
-        let target = std::fs::canonicalize(lib.as_ref()).map_err(|e| ProbeError::Invalid {
-            field: "lib",
-            message: format!("{}: {e}", lib.as_ref().display()),
-        })?;
+        let target = canonical(lib.as_ref(), "lib")?;
         let syms = nixl_symbols(&target)?;
         let mut k = self.kernel()?;
         for ((_, enter, exit), sym) in NIXL_SYMBOLS.iter().zip(&syms) {
@@ -900,5 +891,16 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd, ProbeError> {
     aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| ProbeError::Load {
         program: "<stats>".into(),
         message: error_chain(&e),
+    })
+}
+
+/// The canonical path of a probe target (uprobes attach by inode path).
+///
+/// # Errors
+/// [`ProbeError::Invalid`] naming `field` when the path does not resolve.
+fn canonical(path: &Path, field: &'static str) -> Result<std::path::PathBuf, ProbeError> {
+    std::fs::canonicalize(path).map_err(|e| ProbeError::Invalid {
+        field,
+        message: format!("{}: {e}", path.display()),
     })
 }

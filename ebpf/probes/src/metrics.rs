@@ -53,6 +53,39 @@ fn buckets(h: &HistogramSnapshot) -> Vec<(f64, u64)> {
 
 type Labels = Vec<(&'static str, String)>;
 
+/// One counter family: a descriptor and one sample per label set.
+fn encode_counters(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: impl IntoIterator<Item = (Labels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, n) in rows {
+        ConstCounter::new(n).encode(fam.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// One histogram family of log2 probe histograms (sums in ns → seconds).
+fn encode_histograms<'h>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: impl IntoIterator<Item = (Labels, &'h HistogramSnapshot)>,
+) -> Result<(), std::fmt::Error> {
+    let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    for (labels, h) in rows {
+        fam.encode_family(&labels)?.encode_histogram::<Labels>(
+            h.sum_ns as f64 * 1e-9,
+            h.count,
+            &buckets(h),
+            None,
+        )?;
+    }
+    Ok(())
+}
+
 impl Collector for ProbeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(inner) = self.probes.upgrade() else {
@@ -60,14 +93,11 @@ impl Collector for ProbeCollector {
         };
         let snap = Probes::snapshot_histograms(&inner);
 
-        {
-            let mut fam = encoder.encode_descriptor(
-                "vllm:nixl_xfer_time_seconds",
-                "KV-cache READ duration post to completion, seconds (log2 buckets)",
-                None,
-                MetricType::Histogram,
-            )?;
-            for (l, h) in &snap.xfer_histograms {
+        encode_histograms(
+            &mut encoder,
+            "vllm:nixl_xfer_time_seconds",
+            "KV-cache READ duration post to completion, seconds (log2 buckets)",
+            snap.xfer_histograms.iter().map(|(l, h)| {
                 let labels: Labels = vec![
                     ("direction", l.direction.label().to_string()),
                     ("peer", l.peer.clone()),
@@ -81,14 +111,9 @@ impl Collector for ProbeCollector {
                     ("ok", l.ok.to_string()),
                     ("source", l.source.label().to_string()),
                 ];
-                fam.encode_family(&labels)?.encode_histogram::<Labels>(
-                    h.sum_ns as f64 * 1e-9,
-                    h.count,
-                    &buckets(h),
-                    None,
-                )?;
-            }
-        }
+                (labels, h)
+            }),
+        )?;
 
         let mut failed: HashMap<(&str, &str), u64> = HashMap::new();
         let mut bytes: HashMap<Labels, u64> = HashMap::new();
@@ -105,47 +130,31 @@ impl Collector for ProbeCollector {
                 ])
                 .or_default() += h.sum_bytes;
         }
-        {
-            let mut fam = encoder.encode_descriptor(
-                "vllm:nixl_num_failed_transfers",
-                "KV-cache READs that completed with an error",
-                None,
-                MetricType::Counter,
-            )?;
-            for ((site, source), n) in &failed {
+        encode_counters(
+            &mut encoder,
+            "vllm:nixl_num_failed_transfers",
+            "KV-cache READs that completed with an error",
+            failed.into_iter().map(|((site, source), n)| {
                 let labels: Labels =
                     vec![("site", site.to_string()), ("source", source.to_string())];
-                ConstCounter::new(*n).encode(fam.encode_family(&labels)?)?;
-            }
-        }
-        {
-            let mut fam = encoder.encode_descriptor(
-                "kvloop_xfer_bytes",
-                "Payload bytes of completed KV-cache READs",
-                None,
-                MetricType::Counter,
-            )?;
-            for (labels, n) in &bytes {
-                ConstCounter::new(*n).encode(fam.encode_family(labels)?)?;
-            }
-        }
-        {
-            let mut fam = encoder.encode_descriptor(
-                "kvloop_prefill_latency_seconds",
-                "Prefill request latency at the engine socket: first request bytes received to first response bytes sent, seconds",
-                None,
-                MetricType::Histogram,
-            )?;
-            for (port, h) in &snap.prefill_histograms {
+                (labels, n)
+            }),
+        )?;
+        encode_counters(
+            &mut encoder,
+            "kvloop_xfer_bytes",
+            "Payload bytes of completed KV-cache READs",
+            bytes,
+        )?;
+        encode_histograms(
+            &mut encoder,
+            "kvloop_prefill_latency_seconds",
+            "Prefill request latency at the engine socket: first request bytes received to first response bytes sent, seconds",
+            snap.prefill_histograms.iter().map(|(port, h)| {
                 let labels: Labels = vec![("port", port.to_string()), ("source", "ebpf".into())];
-                fam.encode_family(&labels)?.encode_histogram::<Labels>(
-                    h.sum_ns as f64 * 1e-9,
-                    h.count,
-                    &buckets(h),
-                    None,
-                )?;
-            }
-        }
+                (labels, h)
+            }),
+        )?;
         let ctr = |name: &str| {
             snap.counters
                 .iter()
@@ -153,60 +162,42 @@ impl Collector for ProbeCollector {
                 .map(|(_, v)| *v)
                 .unwrap_or(0)
         };
-        {
-            let mut fam = encoder.encode_descriptor(
-                "kvloop_prefill_requests",
-                "Prefill requests seen in user space, by whether the X-KVLoop-Tokens header attributed them",
-                None,
-                MetricType::Counter,
-            )?;
-            for (v, n) in [
+        encode_counters(
+            &mut encoder,
+            "kvloop_prefill_requests",
+            "Prefill requests seen in user space, by whether the X-KVLoop-Tokens header attributed them",
+            [
                 ("true", "prefill_attributed"),
                 ("false", "prefill_unattributed"),
-            ] {
-                let labels: Labels = vec![("attributed", v.into())];
-                ConstCounter::new(ctr(n)).encode(fam.encode_family(&labels)?)?;
-            }
-        }
-        {
-            let mut fam = encoder.encode_descriptor(
-                "kvloop_prefill_tokens",
-                "Tokens of attributed prefill requests (prompt, reused from D)",
-                None,
-                MetricType::Counter,
-            )?;
-            for (v, n) in [
+            ]
+            .map(|(v, n)| (vec![("attributed", v.to_string())], ctr(n))),
+        )?;
+        encode_counters(
+            &mut encoder,
+            "kvloop_prefill_tokens",
+            "Tokens of attributed prefill requests (prompt, reused from D)",
+            [
                 ("prompt", "prefill_prompt_tokens"),
                 ("reused", "prefill_reused_tokens"),
-            ] {
-                let labels: Labels = vec![("kind", v.into())];
-                ConstCounter::new(ctr(n)).encode(fam.encode_family(&labels)?)?;
-            }
-        }
-        {
-            let mut fam = encoder.encode_descriptor(
-                "kvloop_tcp_retransmits",
-                "TCP segments retransmitted, per peer (tcp:tcp_retransmit_skb)",
-                None,
-                MetricType::Counter,
-            )?;
-            for r in &snap.retransmits {
-                let labels: Labels = vec![("peer", r.peer.to_string())];
-                ConstCounter::new(r.count).encode(fam.encode_family(&labels)?)?;
-            }
-        }
-        {
-            let mut fam = encoder.encode_descriptor(
-                "kvloop_probe_events",
-                "Probe bookkeeping counters: ring-buffer drops, unmatched completions, samples",
-                None,
-                MetricType::Counter,
-            )?;
-            for (name, v) in &snap.counters {
-                let labels: Labels = vec![("counter", name.to_string())];
-                ConstCounter::new(*v).encode(fam.encode_family(&labels)?)?;
-            }
-        }
+            ]
+            .map(|(v, n)| (vec![("kind", v.to_string())], ctr(n))),
+        )?;
+        encode_counters(
+            &mut encoder,
+            "kvloop_tcp_retransmits",
+            "TCP segments retransmitted, per peer (tcp:tcp_retransmit_skb)",
+            snap.retransmits
+                .iter()
+                .map(|r| (vec![("peer", r.peer.to_string())], r.count)),
+        )?;
+        encode_counters(
+            &mut encoder,
+            "kvloop_probe_events",
+            "Probe bookkeeping counters: ring-buffer drops, unmatched completions, samples",
+            snap.counters
+                .iter()
+                .map(|(name, v)| (vec![("counter", name.to_string())], *v)),
+        )?;
         {
             let mut fam = encoder.encode_descriptor(
                 "kvloop_probe_source_info",
