@@ -1607,6 +1607,17 @@ enum Api {
     Chat,
 }
 
+impl Api {
+    /// OpenAI's `object` of a response (`chunk`: a streamed chunk).
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Completions, _) => "text_completion",
+        }
+    }
+}
+
 async fn completions(
     State(e): State<Arc<Engine>>,
     headers: HeaderMap,
@@ -1703,11 +1714,7 @@ async fn generate(
                     json!({"index": 0, "message": {"role": "assistant", "content": "tok0"}, "finish_reason": "length"})
                 }
             };
-            let object = if api == Api::Chat {
-                "chat.completion"
-            } else {
-                "text_completion"
-            };
+            let object = api.object(false);
             let resp = json!({
                 "id": request_id, "object": object, "created": created, "model": e.cfg.model,
                 "choices": [choice],
@@ -1748,27 +1755,18 @@ async fn generate(
                 .unwrap_or("length")
                 .to_string();
             let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+            let job = DecodeJob {
+                e,
+                api,
+                request_id,
+                tokens,
+                max_tokens,
+                finish,
+                blocks,
+            };
             if stream {
-                let job = DecodeJob {
-                    e,
-                    api,
-                    request_id,
-                    tokens,
-                    max_tokens,
-                    finish,
-                    blocks,
-                };
                 decode_stream(job, body)
             } else {
-                let job = DecodeJob {
-                    e,
-                    api,
-                    request_id,
-                    tokens,
-                    max_tokens,
-                    finish,
-                    blocks,
-                };
                 decode_full(job, &body).await
             }
         }
@@ -1842,11 +1840,7 @@ async fn decode_full(job: DecodeJob, body: &Value) -> Response {
             json!({"index": 0, "message": msg, "finish_reason": finish})
         }
     };
-    let object = if api == Api::Chat {
-        "chat.completion"
-    } else {
-        "text_completion"
-    };
+    let object = api.object(false);
     Json(json!({
         "id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model,
         "choices": [choice],
@@ -1871,11 +1865,7 @@ fn decode_stream(job: DecodeJob, body: Value) -> Response {
     e.metrics.generation_tokens.inc_by(max_tokens);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, Infallible>>(16);
     tokio::spawn(async move {
-        let object = if api == Api::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
+        let object = api.object(true);
         let chunk = |choice: Value| {
             let v = json!({"id": request_id, "object": object, "created": 1_700_000_000u64, "model": e.cfg.model, "choices": [choice]});
             bytes::Bytes::from(format!("data: {v}\n\n"))
