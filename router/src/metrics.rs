@@ -78,6 +78,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts engine params rejected for `reason` (`source_prefill`,
+    /// `source_decode`, `unknown_engine`).
+    pub fn reject_params(&self, reason: &'static str) {
+        self.params_rejected
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
     /// Register everything under the `kvloop_router` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kvloop_router");

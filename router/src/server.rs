@@ -622,7 +622,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         )
     })?;
     let p_params = p_json.get("kv_transfer_params").filter(|v| !v.is_null()).ok_or_else(|| {
-        s.metrics.params_rejected.get_or_create(&ReasonLabel { reason: "source_prefill" }).inc();
+        s.metrics.reject_params("source_prefill");
         (
             "prefill_error",
             error_response(
@@ -632,12 +632,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         )
     })?;
     let p_params = KvParams::parse(p_params).map_err(|e| {
-        s.metrics
-            .params_rejected
-            .get_or_create(&ReasonLabel {
-                reason: "source_prefill",
-            })
-            .inc();
+        s.metrics.reject_params("source_prefill");
         (
             "prefill_error",
             error_response(
@@ -651,12 +646,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
         .index_of(&p_params.engine_id)
         .and_then(|i| s.registry.get(i))
     else {
-        s.metrics
-            .params_rejected
-            .get_or_create(&ReasonLabel {
-                reason: "unknown_engine",
-            })
-            .inc();
+        s.metrics.reject_params("unknown_engine");
         return Err((
             "prefill_error",
             error_response(
@@ -842,33 +832,18 @@ impl StoreCtx {
             Ok(p) => p,
             Err(e) => {
                 warn!(error = %e, "decode engine returned malformed kv_transfer_params; not stored");
-                s.metrics
-                    .params_rejected
-                    .get_or_create(&ReasonLabel {
-                        reason: "source_decode",
-                    })
-                    .inc();
+                s.metrics.reject_params("source_decode");
                 return;
             }
         };
         let Some(idx) = s.registry.index_of(&params.engine_id) else {
             warn!(engine = %params.engine_id, "kv_transfer_params from an unregistered engine; not stored");
-            s.metrics
-                .params_rejected
-                .get_or_create(&ReasonLabel {
-                    reason: "unknown_engine",
-                })
-                .inc();
+            s.metrics.reject_params("unknown_engine");
             return;
         };
         if idx != self.decode_engine {
             warn!(engine = %params.engine_id, "kv_transfer_params name another engine than the decode engine that answered; not stored");
-            s.metrics
-                .params_rejected
-                .get_or_create(&ReasonLabel {
-                    reason: "source_decode",
-                })
-                .inc();
+            s.metrics.reject_params("source_decode");
             return;
         }
         let Some(held) = params.num_tokens.and_then(|n| u32::try_from(n).ok()) else {
