@@ -532,14 +532,23 @@ impl TransferEngine {
     /// # Errors
     /// [`DataplaneError::UnknownPeer`] when there is no such peer.
     pub fn hint_peer(&self, peer_engine_id: &str, bytes: u64) -> Result<()> {
-        let peers = self.inner.peers.read().unwrap();
-        let p = peers
+        let _ = self
+            .peer_tx(peer_engine_id)?
+            .send(Message::ReadHint { bytes });
+        Ok(())
+    }
+
+    /// The side-channel sender of a connected peer.
+    fn peer_tx(&self, peer_engine_id: &str) -> Result<mpsc::UnboundedSender<Message>> {
+        self.inner
+            .peers
+            .read()
+            .unwrap()
             .get(peer_engine_id)
+            .map(|p| p.tx.clone())
             .ok_or_else(|| DataplaneError::UnknownPeer {
                 engine_id: peer_engine_id.into(),
-            })?;
-        let _ = p.tx.send(Message::ReadHint { bytes });
-        Ok(())
+            })
     }
 
     /// Sends a notification to a connected peer without a READ (for example
@@ -548,19 +557,14 @@ impl TransferEngine {
     /// # Errors
     /// [`DataplaneError::UnknownPeer`] when there is no such peer.
     pub fn notify(&self, peer_engine_id: &str, owner_request_id: &str, count: u32) -> Result<()> {
-        let peers = self.inner.peers.read().unwrap();
-        let p = peers
-            .get(peer_engine_id)
-            .ok_or_else(|| DataplaneError::UnknownPeer {
+        self.peer_tx(peer_engine_id)?
+            .send(Message::Notify {
+                notif: format_notification(owner_request_id, count),
+            })
+            .map_err(|_| DataplaneError::PeerGone {
                 engine_id: peer_engine_id.into(),
-            })?;
-        p.tx.send(Message::Notify {
-            notif: format_notification(owner_request_id, count),
-        })
-        .map_err(|_| DataplaneError::PeerGone {
-            engine_id: peer_engine_id.into(),
-            reason: "side channel closed".into(),
-        })
+                reason: "side channel closed".into(),
+            })
     }
 }
 
