@@ -1311,7 +1311,7 @@ impl Engine {
     /// agent did not retain them, see [`Engine::retain_at_agent`]).
     async fn hold(&self, request_id: &str, ids: Vec<u32>, num_tokens: u64, ttl: Duration) -> Value {
         self.hold_blocks(request_id, ids.clone(), num_tokens, ttl);
-        if self.retain_at_agent(request_id, ttl).await {
+        if self.retain_at_agent(request_id, &ids, ttl).await {
             self.params(request_id, ids, num_tokens)
         } else {
             Value::Null
@@ -1340,15 +1340,11 @@ impl Engine {
     /// not retain them, or when the hold was evicted meanwhile; the hold is
     /// then dropped (and any lease the agent made of it released), and the
     /// caller sends no params: the next turn recomputes.
-    async fn retain_at_agent(&self, request_id: &str, ttl: Duration) -> bool {
+    async fn retain_at_agent(&self, request_id: &str, ids: &[u32], ttl: Duration) -> bool {
         let Some(reg) = self.kv.as_ref().and_then(|k| k.registration()) else {
             return true;
         };
-        let ids = match self.holds.lock().unwrap().get(request_id) {
-            Some(h) => h.block_ids.clone(),
-            None => return false,
-        };
-        let r = reg.retain(request_id, &ids, ttl.as_millis() as u64).await;
+        let r = reg.retain(request_id, ids, ttl.as_millis() as u64).await;
         let still_held = self.holds.lock().unwrap().contains_key(request_id);
         if r.is_ok() && still_held {
             return true;
