@@ -402,43 +402,15 @@ async fn pushed_threshold_applies_until_it_lapses() {
             model: None,
         }],
     };
-    let r = c
-        .http
-        .put(&url)
-        .bearer_auth("wrong")
-        .json(&push(1, 100_000))
-        .send()
-        .await
-        .unwrap();
+    let r = put(&c.http, &url, "wrong", &push(1, 100_000)).await;
     assert_eq!(r.status(), 401);
-    let r = c
-        .http
-        .put(&url)
-        .bearer_auth(TOKEN)
-        .json(&push(2, 100_000))
-        .send()
-        .await
-        .unwrap();
+    let r = put(&c.http, &url, TOKEN, &push(2, 100_000)).await;
     assert_eq!(r.status(), 204);
-    let r = c
-        .http
-        .put(&url)
-        .bearer_auth(TOKEN)
-        .json(&push(1, 1))
-        .send()
-        .await
-        .unwrap();
+    let r = put(&c.http, &url, TOKEN, &push(1, 1)).await;
     assert_eq!(r.status(), 204, "stale seq accepted but ignored");
     let mut bad = serde_json::to_value(push(3, 1)).unwrap();
     bad["pairs"][0]["decode_engine_id"] = json!("d9");
-    let r = c
-        .http
-        .put(&url)
-        .bearer_auth(TOKEN)
-        .json(&bad)
-        .send()
-        .await
-        .unwrap();
+    let r = put(&c.http, &url, TOKEN, &bad).await;
     assert_eq!(r.status(), 400);
     assert!(
         r.text()
@@ -650,4 +622,19 @@ async fn client_disconnect_mid_stream_is_not_stored() {
         .unwrap();
     r.text().await.unwrap();
     assert_eq!(c.metric("kvloop_router_store_entries").await, 1.0);
+}
+
+/// `PUT url` with a bearer token and a JSON body.
+async fn put(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    body: &impl serde::Serialize,
+) -> reqwest::Response {
+    http.put(url)
+        .bearer_auth(token)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
 }
