@@ -40,15 +40,7 @@ async fn multi_turn_pulls_with_token_check_and_tokens_header() {
         1,
         "D's blocks read once by P"
     );
-    let h: Value = c
-        .http
-        .get(format!("{}/health", c.router.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let h: Value = c.get_json("/health").await;
     assert_eq!(h["prefix_check"], "tokens");
 }
 
@@ -115,15 +107,7 @@ async fn edited_history_is_recomputed_in_history_mode() {
     })
     .await;
     let mut m2 = first_turn(&c, None, "conv-h", false).await;
-    let h: Value = c
-        .http
-        .get(format!("{}/health", c.router.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let h: Value = c.get_json("/health").await;
     assert_eq!(h["prefix_check"], "history", "fallback is reported");
     assert_eq!(
         c.metric("kvloop_router_prefix_check_mode{mode=\"history\"}")
@@ -556,15 +540,7 @@ async fn unhealthy_engines_are_skipped() {
     c.decode[0].stop();
     let mut marked = false;
     for _ in 0..100 {
-        let h: Value = c
-            .http
-            .get(format!("{}/health", c.router.url()))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let h: Value = c.get_json("/health").await;
         if h["engines"][1]["healthy"] == false {
             marked = true;
             break;

@@ -116,6 +116,18 @@ impl Cluster {
         }
     }
 
+    /// `GET <router><path>` as JSON.
+    pub async fn get_json(&self, path: &str) -> Value {
+        self.http
+            .get(format!("{}{path}", self.router.url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
     pub async fn metric(&self, series: &str) -> f64 {
         metric(&self.http, &self.router.url(), series).await
     }
