@@ -469,15 +469,7 @@ async fn client_supplied_params_get_400_naming_the_field() {
 #[tokio::test]
 async fn models_and_health_are_served() {
     let c = Cluster::start(Opts::default()).await;
-    let m: Value = c
-        .http
-        .get(format!("{}/v1/models", c.router.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let m: Value = c.get_json("/v1/models").await;
     assert_eq!(m["data"][0]["id"], "sim-model");
     let r = c
         .http
