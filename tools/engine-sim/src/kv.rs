@@ -35,7 +35,7 @@ use kvloop_dataplane::{
 use serde_json::Value;
 
 use crate::managed::{AgentLink, Registration};
-use crate::{
+use crate::transfer::{
     KvTransfer, ReadFuture, ReadRequest, TransferError, claim_on_side_channel, side_channel_http,
 };
 

@@ -29,7 +29,7 @@ use kvloop_agent_api::proto::{EngineEvent, ReadDirection};
 use kvloop_dataplane::{HostRegion, KvLayout};
 use tracing::warn;
 
-use crate::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
+use crate::transfer::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
 
 /// Most idle connections kept in an [`AgentLink`]'s pool.
 const MAX_IDLE_CONNECTIONS: usize = 16;

@@ -1,0 +1,285 @@
+//! The OpenAI-compatible handlers (`/v1/completions`, `/v1/chat/completions`,
+//! `/v1/models`, `/tokenize`) and the simulator's own endpoints
+//! (`/sim/stats`, `/sim/reads`, `/metrics`). Decoding is in [`crate::decode`].
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::config::Role;
+use crate::decode::{BlockGuard, DecodeJob, decode_full, decode_stream};
+use crate::engine::Engine;
+use crate::stats::ReadLogEntry;
+
+/// The `created` timestamp of every response (fixed: responses are deterministic).
+pub(crate) const CREATED: u64 = 1_700_000_000;
+
+/// The OpenAI API a request came through.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Api {
+    Completions,
+    Chat,
+}
+
+impl Api {
+    /// OpenAI's `object` of a response (`chunk`: a streamed chunk).
+    pub(crate) fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Completions, _) => "text_completion",
+        }
+    }
+}
+
+pub(crate) async fn completions(
+    State(e): State<Arc<Engine>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    generate(e, Api::Completions, headers, body).await
+}
+
+pub(crate) async fn chat_completions(
+    State(e): State<Arc<Engine>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    generate(e, Api::Chat, headers, body).await
+}
+
+pub(crate) fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    let msg = msg.into();
+    (status, Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": status.as_u16()}})))
+        .into_response()
+}
+
+pub(crate) fn knob(body: &Value, name: &str) -> bool {
+    body.get("sim")
+        .and_then(|s| s.get(name))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
+/// A parsed generation request: body, prompt tokens, params, request id.
+struct Generation {
+    body: Value,
+    tokens: Arc<Vec<u32>>,
+    params: Option<Value>,
+    request_id: String,
+    arrived: Instant,
+}
+
+pub(crate) async fn generate(
+    e: Arc<Engine>,
+    api: Api,
+    headers: HeaderMap,
+    raw: axum::body::Bytes,
+) -> Response {
+    let g = match parse_generation(&e, &headers, &raw) {
+        Ok(g) => g,
+        Err(resp) => return resp,
+    };
+    match e.cfg.role {
+        Role::Prefill => prefill(e, api, g).await,
+        Role::Decode => decode(e, api, g).await,
+    }
+}
+
+/// Counts the request, records its tokens header and params, parses and
+/// tokenizes its body (400 on failure).
+fn parse_generation(e: &Engine, headers: &HeaderMap, raw: &[u8]) -> Result<Generation, Response> {
+    e.stats.requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(h) = headers.get("x-kvloop-tokens").and_then(|v| v.to_str().ok()) {
+        *e.last_tokens_header.lock().unwrap() = Some(h.to_string());
+    }
+    let body: Value = serde_json::from_slice(raw).map_err(|err| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("body: invalid JSON: {err}"),
+        )
+    })?;
+    let arrived = Instant::now();
+    let tokens = match e.tokenize(&body) {
+        Ok(t) => Arc::new(t),
+        Err(msg) => return Err(error(StatusCode::BAD_REQUEST, msg)),
+    };
+    e.metrics.prompt_tokens.inc_by(tokens.len() as u64);
+    let params = body
+        .get("kv_transfer_params")
+        .filter(|v| !v.is_null())
+        .cloned();
+    *e.last_params.lock().unwrap() = params.clone();
+    Ok(Generation {
+        request_id: e.new_request_id(),
+        body,
+        tokens,
+        params,
+        arrived,
+    })
+}
+
+/// P: reads D's blocks when the params allow, computes the rest, holds the
+/// prompt's blocks for D and answers with one token and its params.
+async fn prefill(e: Arc<Engine>, api: Api, g: Generation) -> Response {
+    let Generation {
+        body,
+        tokens,
+        params,
+        request_id,
+        arrived,
+    } = g;
+    let params = params.as_ref();
+    let n_prompt = tokens.len() as u64;
+    let has_blocks = params
+        .and_then(|p| p.get("remote_block_ids"))
+        .is_some_and(|b| !b.is_null());
+    if knob(&body, "fail_prefill") || (has_blocks && knob(&body, "fail_prefill_with_params")) {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "simulated prefill failure",
+        );
+    }
+    let ids = e.allocate_blocks(e.blocks_for(n_prompt)).await;
+    let (reused, verify) = e.pull(&request_id, params, &tokens, true, &ids).await;
+    let reused = e.compute_prompt(&ids, &tokens, reused, verify).await;
+    let computed = n_prompt - reused;
+    let prefill_time = arrived.elapsed();
+    e.metrics.ttft_seconds.observe(prefill_time.as_secs_f64());
+    e.metrics.generation_tokens.inc();
+    e.report_prefill(n_prompt, reused, prefill_time);
+    let kv = e
+        .hold(
+            &request_id,
+            ids,
+            n_prompt,
+            Duration::from_millis(e.cfg.lease_ms),
+        )
+        .await;
+    let choice = match api {
+        Api::Completions => {
+            json!({"index": 0, "text": " tok0", "logprobs": null, "finish_reason": "length"})
+        }
+        Api::Chat => {
+            json!({"index": 0, "message": {"role": "assistant", "content": "tok0"}, "finish_reason": "length"})
+        }
+    };
+    let object = api.object(false);
+    let resp = json!({
+        "id": request_id, "object": object, "created": CREATED, "model": e.cfg.model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": 1, "total_tokens": n_prompt + 1},
+        "kv_transfer_params": kv,
+        "kvloop_sim": {"reused_tokens": reused, "computed_tokens": computed},
+    });
+    Json(resp).into_response()
+}
+
+/// D: reads P's blocks when the params allow, computes the rest, then
+/// answers in full or streams ([`crate::decode`]).
+async fn decode(e: Arc<Engine>, api: Api, g: Generation) -> Response {
+    let Generation {
+        body,
+        tokens,
+        params,
+        request_id,
+        arrived,
+    } = g;
+    if knob(&body, "fail_decode") {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "simulated decode failure",
+        );
+    }
+    let n_prompt = tokens.len() as u64;
+    let blocks = BlockGuard {
+        ids: e.allocate_blocks(e.blocks_for(n_prompt)).await,
+        engine: e.clone(),
+    };
+    let (reused, verify) = e
+        .pull(&request_id, params.as_ref(), &tokens, false, &blocks.ids)
+        .await;
+    e.compute_prompt(&blocks.ids, &tokens, reused, verify).await;
+    e.metrics
+        .ttft_seconds
+        .observe(arrived.elapsed().as_secs_f64());
+    let max_tokens = body
+        .get("max_tokens")
+        .or_else(|| body.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(e.cfg.default_max_tokens)
+        .max(1);
+    let finish = body
+        .get("sim")
+        .and_then(|s| s.get("finish_reason"))
+        .and_then(Value::as_str)
+        .unwrap_or("length")
+        .to_string();
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let job = DecodeJob {
+        e,
+        api,
+        request_id,
+        tokens,
+        max_tokens,
+        finish,
+        blocks,
+    };
+    if stream {
+        decode_stream(job, body)
+    } else {
+        decode_full(job, &body).await
+    }
+}
+
+pub(crate) fn words(max_tokens: u64) -> Vec<String> {
+    (0..max_tokens).map(|i| format!("tok{i}")).collect()
+}
+
+pub(crate) async fn models(State(e): State<Arc<Engine>>) -> Response {
+    Json(json!({"object": "list", "data": [{"id": e.cfg.model, "object": "model", "owned_by": "kvloop-engine-sim"}]}))
+        .into_response()
+}
+
+pub(crate) async fn tokenize(State(e): State<Arc<Engine>>, body: axum::body::Bytes) -> Response {
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(err) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("body: invalid JSON: {err}"),
+            );
+        }
+    };
+    match e.tokenize(&body) {
+        Ok(t) => {
+            Json(json!({"count": t.len(), "max_model_len": 131072, "tokens": t})).into_response()
+        }
+        Err(msg) => error(StatusCode::BAD_REQUEST, msg),
+    }
+}
+
+pub(crate) async fn stats(State(e): State<Arc<Engine>>) -> Response {
+    Json(e.stats()).into_response()
+}
+
+pub(crate) async fn reads(State(e): State<Arc<Engine>>) -> Response {
+    let log: Vec<ReadLogEntry> = e.read_log.lock().unwrap().iter().cloned().collect();
+    Json(log).into_response()
+}
+
+pub(crate) async fn metrics_text(State(e): State<Arc<Engine>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        e.metrics.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,211 @@
+//! The READ side of an engine: turning the params a request carries into a
+//! [`ReadRequest`], performing it through the engine's [`crate::KvTransfer`],
+//! and logging and counting the outcome (a failure means a local recompute).
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use serde_json::Value;
+use tracing::warn;
+
+use crate::engine::Engine;
+use crate::kv::VerifyOutcome;
+use crate::stats::ReadLogEntry;
+use crate::transfer::ReadRequest;
+
+impl Engine {
+    /// Try to READ the KV the params describe; returns the tokens reused (0 on
+    /// any failure) and, with real KV, the pending verification of the READ blocks.
+    pub(crate) async fn pull(
+        &self,
+        request_id: &str,
+        params: Option<&Value>,
+        tokens: &Arc<Vec<u32>>,
+        expect_from_decode: bool,
+        local_block_ids: &[u32],
+    ) -> (u64, Option<tokio::task::JoinHandle<VerifyOutcome>>) {
+        let r = self
+            .pull_inner(
+                request_id,
+                params,
+                tokens,
+                expect_from_decode,
+                local_block_ids,
+            )
+            .await;
+        if r == 0 {
+            return (0, None);
+        }
+        let verify = self.kv.clone().map(|kv| {
+            let ids = local_block_ids.to_vec();
+            let tokens = tokens.clone();
+            tokio::task::spawn_blocking(move || kv.verify_tokens(&ids, &tokens, r as usize))
+        });
+        (r, verify)
+    }
+
+    async fn pull_inner(
+        &self,
+        request_id: &str,
+        params: Option<&Value>,
+        tokens: &Arc<Vec<u32>>,
+        expect_from_decode: bool,
+        local_block_ids: &[u32],
+    ) -> u64 {
+        let prompt_tokens = tokens.len() as u64;
+        let Some(mut req) = self.wanted_read(params, prompt_tokens, expect_from_decode) else {
+            return 0;
+        };
+        let n_local = self.blocks_for(req.num_tokens).min(local_block_ids.len());
+        req.local_block_ids = local_block_ids[..n_local].to_vec();
+        let want_tokens = req.num_tokens;
+        let start = Instant::now();
+        let result = self.transfer.read(req).await;
+        let elapsed = start.elapsed();
+        let mut entry = ReadLogEntry {
+            request_id: request_id.to_string(),
+            direction: if expect_from_decode { "d2p" } else { "p2d" }.into(),
+            prompt_tokens,
+            tokens: 0,
+            bytes: 0,
+            transfer_ms: elapsed.as_secs_f64() * 1e3,
+            verified_blocks: 0,
+            mismatched_blocks: 0,
+            error: None,
+        };
+        let out = match result {
+            Ok(n) => {
+                self.stats.reads_ok.fetch_add(1, Ordering::Relaxed);
+                let bytes = self
+                    .kv
+                    .as_ref()
+                    .map(|kv| self.blocks_for(want_tokens) as u64 * kv.bytes_per_block())
+                    .unwrap_or(0);
+                self.metrics
+                    .xfer_time_seconds
+                    .observe(elapsed.as_secs_f64());
+                self.metrics.xfer_bytes.observe(bytes as f64);
+                entry.tokens = n;
+                entry.bytes = bytes;
+                n
+            }
+            Err(e) => {
+                warn!(engine = %self.cfg.engine_id, error = %e, "READ declined; recomputing locally");
+                self.stats.reads_declined.fetch_add(1, Ordering::Relaxed);
+                self.metrics.failed_transfers.inc();
+                entry.error = Some(e.to_string());
+                0
+            }
+        };
+        self.log_read(entry);
+        out
+    }
+
+    /// The READ the params ask for, or `None` when there is nothing to read:
+    /// no params, the wrong direction's flag, the "no reuse" shape, invalid
+    /// params (counted, warned), or fewer tokens than the recompute threshold.
+    fn wanted_read(
+        &self,
+        params: Option<&Value>,
+        prompt_tokens: u64,
+        expect_from_decode: bool,
+    ) -> Option<ReadRequest> {
+        let p = params?;
+        let flag = if expect_from_decode {
+            "do_remote_decode"
+        } else {
+            "do_remote_prefill"
+        };
+        if p.get(flag).and_then(Value::as_bool) != Some(true) {
+            return None;
+        }
+        if p.get("remote_block_ids").is_none_or(Value::is_null) {
+            return None; // the "no reuse" shape
+        }
+        let req = match self.read_request(p, prompt_tokens, expect_from_decode) {
+            Ok(r) => r,
+            Err(field) => {
+                warn!(engine = %self.cfg.engine_id, %field, "invalid kv_transfer_params; recomputing locally");
+                self.stats.invalid_params.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        };
+        if req.num_tokens == 0 || req.num_tokens < self.cfg.kv_recompute_threshold_tokens {
+            return None;
+        }
+        Some(req)
+    }
+
+    fn read_request(
+        &self,
+        p: &Value,
+        prompt_tokens: u64,
+        from_decode: bool,
+    ) -> Result<ReadRequest, &'static str> {
+        let blocks = flat_block_ids(p.get("remote_block_ids"))?;
+        let engine = p
+            .get("remote_engine_id")
+            .and_then(Value::as_str)
+            .ok_or("remote_engine_id")?;
+        let host = p
+            .get("remote_host")
+            .and_then(Value::as_str)
+            .filter(|h| !h.is_empty())
+            .ok_or("remote_host")?;
+        let port = p
+            .get("remote_port")
+            .and_then(Value::as_u64)
+            .and_then(|v| u16::try_from(v).ok())
+            .ok_or("remote_port")?;
+        let rid = p
+            .get("remote_request_id")
+            .and_then(Value::as_str)
+            .ok_or("remote_request_id")?;
+        let held = p.get("remote_num_tokens").and_then(Value::as_u64);
+        let num_tokens = if from_decode {
+            // D→P: count = min(remote_num_tokens, prompt_tokens); nothing cached locally.
+            held.ok_or("remote_num_tokens")?.min(prompt_tokens)
+        } else {
+            held.unwrap_or(prompt_tokens).min(prompt_tokens)
+        };
+        Ok(ReadRequest {
+            reader_engine_id: self.cfg.engine_id.clone(),
+            remote_engine_id: engine.into(),
+            remote_host: host.into(),
+            remote_port: port,
+            remote_request_id: rid.into(),
+            remote_block_ids: blocks,
+            num_tokens,
+            local_block_ids: Vec::new(),
+            block_size_tokens: self.cfg.block_size_tokens,
+        })
+    }
+}
+
+/// `remote_block_ids` flattened over KV-cache groups (`[[1,2],[3]]` or
+/// `[1,2,3]`); the field's name when missing, empty or not block ids.
+fn flat_block_ids(v: Option<&Value>) -> Result<Vec<u32>, &'static str> {
+    let Some(Value::Array(a)) = v else {
+        return Err("remote_block_ids");
+    };
+    let id = |b: &Value| {
+        b.as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .ok_or("remote_block_ids")
+    };
+    let mut out = Vec::new();
+    for x in a {
+        match x {
+            Value::Array(g) => {
+                for b in g {
+                    out.push(id(b)?);
+                }
+            }
+            other => out.push(id(other)?),
+        }
+    }
+    if out.is_empty() {
+        return Err("remote_block_ids");
+    }
+    Ok(out)
+}
