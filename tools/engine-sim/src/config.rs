@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum KvMode {
-    /// No KV memory: READs are simulated by [`SimulatedTransfer`] (a sleep).
+    /// No KV memory: READs are simulated by [`crate::transfer::SimulatedTransfer`] (a sleep).
     None,
     /// Real memfd KV regions and an in-process transfer engine that does the
     /// engine's own READs (observe mode, like stock vLLM with NIXL).
@@ -23,9 +23,9 @@ pub enum KvMode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TokenizerKind {
-    /// One token per whitespace-separated word ([`tokenize_text`]).
+    /// One token per whitespace-separated word ([`crate::tokenizer::tokenize_text`]).
     Words,
-    /// Word pieces ([`tokenize_pieces`]): about as many tokens as a BPE
+    /// Word pieces ([`crate::tokenizer::tokenize_pieces`]): about as many tokens as a BPE
     /// tokenizer (cl100k) on source code, still prefix-stable at word boundaries.
     Pieces,
 }
@@ -102,7 +102,7 @@ pub struct SimConfig {
     #[arg(long)]
     pub no_tokenize: bool,
     /// Prefill cost profile (`qwen3-32b-h200`, `glm-5-fp8-h200`); replaces
-    /// `prefill_us_per_token` with `t0 + new × (a + b × (ctx + new/2))` (see [`profile`]).
+    /// `prefill_us_per_token` with `t0 + new × (a + b × (ctx + new/2))` (see [`crate::profile`]).
     #[arg(long)]
     pub profile: Option<String>,
     /// Multiplies every simulated compute time (prefill, decode); 0.5 runs
@@ -114,7 +114,7 @@ pub struct SimConfig {
     /// at `--agent-socket`).
     #[arg(long, value_enum, default_value = "none")]
     pub kv_mode: KvMode,
-    /// KV bytes per token over all layers (scaled; see [`kv`]). Default
+    /// KV bytes per token over all layers (scaled; see [`crate::kv`]). Default
     /// 2048 = 4 layers × 512 B (real Qwen3-32B: 256 KiB, 32 KiB per GPU at TP 8).
     #[arg(long, default_value_t = 2048)]
     pub kv_bytes_per_token: u64,

@@ -10,8 +10,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tracing::debug;
 
+use crate::api::{Api, CREATED, knob, words};
 use crate::engine::Engine;
-use crate::http::{Api, CREATED, knob, words};
 use crate::tokenizer::tokenize_with;
 use crate::transfer::sleep_us;
 

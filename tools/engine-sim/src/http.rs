@@ -11,31 +11,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
+use crate::api::{Api, CREATED, knob};
 use crate::config::Role;
 use crate::decode::{BlockGuard, DecodeJob, decode_full, decode_stream};
 use crate::engine::Engine;
 use crate::stats::ReadLogEntry;
-
-/// The `created` timestamp of every response (fixed: responses are deterministic).
-pub(crate) const CREATED: u64 = 1_700_000_000;
-
-/// The OpenAI API a request came through.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Api {
-    Completions,
-    Chat,
-}
-
-impl Api {
-    /// OpenAI's `object` of a response (`chunk`: a streamed chunk).
-    pub(crate) fn object(self, chunk: bool) -> &'static str {
-        match (self, chunk) {
-            (Api::Chat, false) => "chat.completion",
-            (Api::Chat, true) => "chat.completion.chunk",
-            (Api::Completions, _) => "text_completion",
-        }
-    }
-}
 
 pub(crate) async fn completions(
     State(e): State<Arc<Engine>>,
@@ -53,17 +33,11 @@ pub(crate) async fn chat_completions(
     generate(e, Api::Chat, headers, body).await
 }
 
+/// An OpenAI error body with `status`.
 pub(crate) fn error(status: StatusCode, msg: impl Into<String>) -> Response {
     let msg = msg.into();
     (status, Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": status.as_u16()}})))
         .into_response()
-}
-
-pub(crate) fn knob(body: &Value, name: &str) -> bool {
-    body.get("sim")
-        .and_then(|s| s.get(name))
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
 }
 
 /// A parsed generation request: body, prompt tokens, params, request id.
@@ -235,10 +209,6 @@ async fn decode(e: Arc<Engine>, api: Api, g: Generation) -> Response {
     } else {
         decode_full(job, &body).await
     }
-}
-
-pub(crate) fn words(max_tokens: u64) -> Vec<String> {
-    (0..max_tokens).map(|i| format!("tok{i}")).collect()
 }
 
 pub(crate) async fn models(State(e): State<Arc<Engine>>) -> Response {

@@ -58,13 +58,14 @@
 //! output deltas), `truncate_stream` (bool → the stream ends before the finish
 //! chunk), `finish_reason` (string override).
 //!
-//! Modules, one job each: [`config`], [`tokenizer`] (and the chat template),
+//! Modules, one job each: [`config`], `api` (shapes shared by the handlers), [`tokenizer`] (and the chat template),
 //! [`blocks`] (allocator), [`transfer`] (the READ trait and the side
 //! channel's client), [`side_channel`] (its server), [`stats`], [`engine`]
 //! (shared state) and [`pull`] (its READ side), [`http`] (OpenAI handlers),
 //! [`decode`] (answers and the SSE writer), [`server`] (spawning).
 #![forbid(unsafe_code)]
 
+mod api;
 pub mod blocks;
 pub mod config;
 mod decode;
