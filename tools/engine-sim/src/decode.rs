@@ -47,7 +47,7 @@ impl BlockGuard {
 impl Drop for BlockGuard {
     fn drop(&mut self) {
         if !self.ids.is_empty() {
-            self.engine.alloc.lock().unwrap().release(&self.ids);
+            self.engine.alloc.lock().release(&self.ids);
         }
     }
 }

@@ -2,8 +2,10 @@
 //! compute and the params that describe held blocks. The READ side
 //! (consuming a peer's params) is in [`crate::pull`].
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -61,28 +63,28 @@ impl Engine {
             verified_blocks: s.verified_blocks.load(Ordering::Relaxed),
             mismatched_blocks: s.mismatched_blocks.load(Ordering::Relaxed),
             kv_mode: Some(self.cfg.kv_mode),
-            holds: self.holds.lock().unwrap().len() as u64,
-            last_tokens_header: self.last_tokens_header.lock().unwrap().clone(),
-            last_kv_transfer_params: self.last_params.lock().unwrap().clone(),
+            holds: self.holds.lock().len() as u64,
+            last_tokens_header: self.last_tokens_header.lock().clone(),
+            last_kv_transfer_params: self.last_params.lock().clone(),
         }
     }
 
     /// Free every hold whose deadline has passed.
     pub(crate) fn sweep(&self, now: Instant) {
-        let mut holds = self.holds.lock().unwrap();
+        let mut holds = self.holds.lock();
         let agent_lost = self.agent_lost.load(Ordering::Relaxed);
         let expired: Vec<String> = holds
             .iter()
             .filter(|(_, h)| h.expires_at <= now && (!h.agent_lease || agent_lost))
             .map(|(k, _)| k.clone())
             .collect();
-        let mut alloc = self.alloc.lock().unwrap();
+        let mut alloc = self.alloc.lock();
         for k in expired {
             if let Some(h) = holds.remove(&k) {
                 alloc.release(&h.block_ids);
             }
         }
-        let mut reading = self.reading.lock().unwrap();
+        let mut reading = self.reading.lock();
         reading.retain(|_, h| {
             if h.expires_at <= now {
                 alloc.release(&h.block_ids);
@@ -96,17 +98,17 @@ impl Engine {
     /// Frees the blocks of a hold the node agent released (managed mode:
     /// all owner notifications received, lease lapsed, or evicted).
     pub(crate) fn release_held(&self, request_id: &str) {
-        let h = self.holds.lock().unwrap().remove(request_id);
+        let h = self.holds.lock().remove(request_id);
         if let Some(h) = h {
-            self.alloc.lock().unwrap().release(&h.block_ids);
+            self.alloc.lock().release(&h.block_ids);
         }
     }
 
     /// Frees the blocks of a claimed hold (owner notification received).
     pub(crate) fn release_reading(&self, request_id: &str) {
-        let h = self.reading.lock().unwrap().remove(request_id);
+        let h = self.reading.lock().remove(request_id);
         if let Some(h) = h {
-            self.alloc.lock().unwrap().release(&h.block_ids);
+            self.alloc.lock().release(&h.block_ids);
         }
     }
 
@@ -120,14 +122,13 @@ impl Engine {
         let mut order: Vec<(Instant, String, bool)> = self
             .holds
             .lock()
-            .unwrap()
             .iter()
             .map(|(k, h)| (h.expires_at, k.clone(), h.agent_lease))
             .collect();
         order.sort();
         let reg = self.kv.as_ref().and_then(|k| k.registration()).cloned();
         for (_, k, agent_lease) in order {
-            if self.alloc.lock().unwrap().free_blocks() >= n_blocks {
+            if self.alloc.lock().free_blocks() >= n_blocks {
                 break;
             }
             if let (true, Some(reg)) = (agent_lease, &reg) {
@@ -142,9 +143,9 @@ impl Engine {
                     }
                 }
             }
-            let h = self.holds.lock().unwrap().remove(&k);
+            let h = self.holds.lock().remove(&k);
             if let Some(h) = h {
-                self.alloc.lock().unwrap().release(&h.block_ids);
+                self.alloc.lock().release(&h.block_ids);
             }
         }
     }
@@ -165,7 +166,7 @@ impl Engine {
     }
 
     pub(crate) fn log_read(&self, entry: ReadLogEntry) {
-        let mut log = self.read_log.lock().unwrap();
+        let mut log = self.read_log.lock();
         if log.len() >= READ_LOG_CAPACITY {
             log.pop_front();
         }
@@ -212,7 +213,7 @@ impl Engine {
                 .fetch_add(o.mismatched_blocks, Ordering::Relaxed);
             self.metrics.verified_blocks.inc_by(o.verified_blocks);
             self.metrics.mismatched_blocks.inc_by(o.mismatched_blocks);
-            if let Some(last) = self.read_log.lock().unwrap().back_mut() {
+            if let Some(last) = self.read_log.lock().back_mut() {
                 last.verified_blocks = o.verified_blocks;
                 last.mismatched_blocks = o.mismatched_blocks;
             }
@@ -259,21 +260,17 @@ impl Engine {
     /// Allocate `n_blocks` blocks (after sweeping lapsed holds when short;
     /// empty when the cache is full).
     pub(crate) async fn allocate_blocks(&self, n_blocks: usize) -> Vec<u32> {
-        if let Some(ids) = self.alloc.lock().unwrap().allocate(n_blocks) {
+        if let Some(ids) = self.alloc.lock().allocate(n_blocks) {
             return ids;
         }
         self.sweep(Instant::now());
-        if let Some(ids) = self.alloc.lock().unwrap().allocate(n_blocks) {
+        if let Some(ids) = self.alloc.lock().allocate(n_blocks) {
             return ids;
         }
         if self.kv.is_some() {
             self.evict_for(n_blocks).await;
         }
-        self.alloc
-            .lock()
-            .unwrap()
-            .allocate(n_blocks)
-            .unwrap_or_default()
+        self.alloc.lock().allocate(n_blocks).unwrap_or_default()
     }
 
     /// Holds `ids` (covering `num_tokens` tokens) for `ttl` under
@@ -303,7 +300,7 @@ impl Engine {
         num_tokens: u64,
         ttl: Duration,
     ) {
-        self.holds.lock().unwrap().insert(
+        self.holds.lock().insert(
             request_id.to_string(),
             Hold {
                 block_ids: ids,
@@ -333,7 +330,7 @@ impl Engine {
             return true;
         };
         let r = reg.retain(request_id, ids, ttl.as_millis() as u64).await;
-        let still_held = self.holds.lock().unwrap().contains_key(request_id);
+        let still_held = self.holds.lock().contains_key(request_id);
         if r.is_ok() && still_held {
             return true;
         }

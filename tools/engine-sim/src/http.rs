@@ -57,7 +57,7 @@ pub(crate) async fn generate(
 ) -> Response {
     let g = match parse_generation(&e, &headers, &raw) {
         Ok(g) => g,
-        Err(resp) => return resp,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     match e.cfg.role {
         Role::Prefill => prefill(e, api, g).await,
@@ -66,29 +66,25 @@ pub(crate) async fn generate(
 }
 
 /// Counts the request, records its tokens header and params, parses and
-/// tokenizes its body (400 on failure).
-fn parse_generation(e: &Engine, headers: &HeaderMap, raw: &[u8]) -> Result<Generation, Response> {
+/// tokenizes its body.
+///
+/// # Errors
+/// The message of the 400 answer: invalid JSON, no or a malformed prompt.
+fn parse_generation(e: &Engine, headers: &HeaderMap, raw: &[u8]) -> Result<Generation, String> {
     e.stats.requests.fetch_add(1, Ordering::Relaxed);
     if let Some(h) = headers.get("x-kvloop-tokens").and_then(|v| v.to_str().ok()) {
-        *e.last_tokens_header.lock().unwrap() = Some(h.to_string());
+        *e.last_tokens_header.lock() = Some(h.to_string());
     }
-    let body: Value = serde_json::from_slice(raw).map_err(|err| {
-        error(
-            StatusCode::BAD_REQUEST,
-            format!("body: invalid JSON: {err}"),
-        )
-    })?;
+    let body: Value =
+        serde_json::from_slice(raw).map_err(|err| format!("body: invalid JSON: {err}"))?;
     let arrived = Instant::now();
-    let tokens = match e.tokenize(&body) {
-        Ok(t) => Arc::new(t),
-        Err(msg) => return Err(error(StatusCode::BAD_REQUEST, msg)),
-    };
+    let tokens = Arc::new(e.tokenize(&body)?);
     e.metrics.prompt_tokens.inc_by(tokens.len() as u64);
     let params = body
         .get("kv_transfer_params")
         .filter(|v| !v.is_null())
         .cloned();
-    *e.last_params.lock().unwrap() = params.clone();
+    *e.last_params.lock() = params.clone();
     Ok(Generation {
         request_id: e.new_request_id(),
         body,
@@ -239,7 +235,7 @@ pub(crate) async fn stats(State(e): State<Arc<Engine>>) -> Response {
 }
 
 pub(crate) async fn reads(State(e): State<Arc<Engine>>) -> Response {
-    let log: Vec<ReadLogEntry> = e.read_log.lock().unwrap().iter().cloned().collect();
+    let log: Vec<ReadLogEntry> = e.read_log.lock().iter().cloned().collect();
     Json(log).into_response()
 }
 

@@ -2,6 +2,8 @@
 //!
 //! Prints one line `READY http=<addr> side_channel=<addr>` on stdout once both
 //! listeners are bound, so a parent process can use port 0.
+#![forbid(unsafe_code)]
+
 use clap::Parser;
 use kvloop_engine_sim::{SimConfig, spawn};
 use std::io::Write;

@@ -32,7 +32,7 @@ pub(crate) struct SideRead {
 /// freed), so params are single use.
 pub(crate) async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRead>) -> Response {
     let now = Instant::now();
-    let mut holds = e.holds.lock().unwrap();
+    let mut holds = e.holds.lock();
     let refuse = |msg: String| {
         e.stats.side_reads_refused.fetch_add(1, Ordering::Relaxed);
         (StatusCode::GONE, msg).into_response()
@@ -72,10 +72,7 @@ pub(crate) async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRe
         // Freed by the owner notification; the deadline covers a reader that died.
         h.expires_at =
             now + Duration::from_millis(e.cfg.kv_read_timeout_ms + e.cfg.expiry_margin_ms);
-        e.reading
-            .lock()
-            .unwrap()
-            .insert(r.remote_request_id.clone(), h);
+        e.reading.lock().insert(r.remote_request_id.clone(), h);
         e.stats.side_reads_served.fetch_add(1, Ordering::Relaxed);
         return Json(json!({
             "dataplane_addr": kv.dataplane_addr().to_string(),
@@ -85,7 +82,7 @@ pub(crate) async fn side_read(State(e): State<Arc<Engine>>, Json(r): Json<SideRe
     }
     let h = holds.remove(&r.remote_request_id).expect("checked above");
     drop(holds);
-    e.alloc.lock().unwrap().release(&h.block_ids);
+    e.alloc.lock().release(&h.block_ids);
     e.stats.side_reads_served.fetch_add(1, Ordering::Relaxed);
     StatusCode::OK.into_response()
 }
