@@ -30,6 +30,19 @@ pub enum TokenizerKind {
     Pieces,
 }
 
+/// Where a streaming D puts its `kv_transfer_params`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum StreamParams {
+    /// A chunk of their own, `{"choices":[],"kv_transfer_params":...}`,
+    /// after the finish chunk and before `data: [DONE]`.
+    OwnChunk,
+    /// On the chunk that carries `finish_reason`.
+    FinishChunk,
+    /// Not in the stream at all (stock vLLM 0.32.0 streaming).
+    None,
+}
+
 /// Role of a simulated engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -91,6 +104,21 @@ pub struct SimConfig {
     /// Tensor-parallel size reported in the params.
     #[arg(long, default_value_t = 1)]
     pub tp_size: u32,
+    /// Decode-context-parallel size reported in the params (`dcp_size`;
+    /// vLLM: `decode_context_parallel_size`, default 1).
+    #[arg(long, default_value_t = 1)]
+    pub dcp_size: u32,
+    /// Pipeline-parallel size reported in the params (`pp_size`; vLLM:
+    /// `pipeline_parallel_size`, default 1).
+    #[arg(long, default_value_t = 1)]
+    pub pp_size: u32,
+    /// D, streaming: where the answer's `kv_transfer_params` go (vLLM
+    /// versions differ): `own-chunk` (a chunk of their own with empty
+    /// `choices`, before `[DONE]`), `finish-chunk` (on the chunk that carries
+    /// `finish_reason`), `none` (not streamed, as stock vLLM 0.32.0; D still
+    /// holds the blocks until their TTL).
+    #[arg(long, value_enum, default_value = "own-chunk")]
+    pub stream_params: StreamParams,
     /// Output tokens when the request has no `max_tokens`.
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u64,
@@ -165,6 +193,9 @@ impl Default for SimConfig {
             block_size_tokens: 16,
             num_blocks: 1 << 20,
             tp_size: 1,
+            dcp_size: 1,
+            pp_size: 1,
+            stream_params: StreamParams::OwnChunk,
             default_max_tokens: 16,
             kv_recompute_threshold_tokens: 0,
             no_tokenize: false,

@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use tracing::debug;
 
 use crate::api::{Api, CREATED, knob, words};
+use crate::config::StreamParams;
 use crate::engine::Engine;
 use crate::tokenizer::tokenize_with;
 use crate::transfer::sleep_us;
@@ -40,7 +41,8 @@ impl BlockGuard {
         if let Some(kv) = &e.kv {
             kv.write_tokens(&ids, all_tokens, n_prompt, num_tokens as usize);
         }
-        e.hold(request_id, ids, num_tokens, e.decoder_ttl()).await
+        e.hold(request_id, ids, num_tokens, e.decoder_ttl(), None)
+            .await
     }
 }
 
@@ -250,14 +252,31 @@ async fn stream_answer(job: DecodeJob, body: &Value, w: &SseWriter) -> Result<()
         debug!("simulated truncated stream");
         return Ok(());
     }
-    w.choice(w.finish_choice(&finish)).await?;
-    if finish == "stop" || finish == "length" {
-        let kv = blocks
-            .extend_and_hold(&request_id, held, &all_tokens, tokens.len())
-            .await;
-        let mut v = w.chunk(json!([]));
-        v["kv_transfer_params"] = kv;
-        w.send(&v).await?;
+    // D holds its blocks on a normal finish only (other finishes free them).
+    let kv = if finish == "stop" || finish == "length" {
+        Some(
+            blocks
+                .extend_and_hold(&request_id, held, &all_tokens, tokens.len())
+                .await,
+        )
+    } else {
+        drop(blocks);
+        None
+    };
+    let mut fin = w.chunk(json!([w.finish_choice(&finish)]));
+    let placement = e.cfg.stream_params;
+    match (kv, placement) {
+        (Some(kv), StreamParams::FinishChunk) => {
+            fin["kv_transfer_params"] = kv;
+            w.send(&fin).await?;
+        }
+        (Some(kv), StreamParams::OwnChunk) => {
+            w.send(&fin).await?;
+            let mut v = w.chunk(json!([]));
+            v["kv_transfer_params"] = kv;
+            w.send(&v).await?;
+        }
+        (_, _) => w.send(&fin).await?,
     }
     w.raw(bytes::Bytes::from_static(b"data: [DONE]\n\n")).await
 }

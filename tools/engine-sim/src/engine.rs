@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use tracing::{debug, warn};
 
 use crate::blocks::{BlockAllocator, Hold};
@@ -16,6 +16,7 @@ use crate::config::{Role, SimConfig};
 use crate::kv::{KvMemory, VerifyOutcome};
 use crate::managed;
 use crate::metrics;
+use crate::params::{HeldBlocks, kv_transfer_params};
 use crate::profile::CostProfile;
 use crate::stats::{READ_LOG_CAPACITY, ReadLogEntry, Stats, StatsSnapshot};
 use crate::tokenizer::tokenize_body_with;
@@ -277,16 +278,19 @@ impl Engine {
     /// `request_id` for a reader and returns the `kv_transfer_params` that
     /// describe them, or null when they cannot be read (managed mode: the
     /// agent did not retain them, see [`Engine::retain_at_agent`]).
+    /// `cached_tokens`: P's prompt tokens not computed (its params'
+    /// `remote_prefill_cached_tokens`).
     pub(crate) async fn hold(
         &self,
         request_id: &str,
         ids: Vec<u32>,
         num_tokens: u64,
         ttl: Duration,
+        cached_tokens: Option<u64>,
     ) -> Value {
         self.hold_blocks(request_id, ids.clone(), num_tokens, ttl);
         if self.retain_at_agent(request_id, &ids, ttl).await {
-            self.params(request_id, ids, num_tokens)
+            self.params(request_id, ids, num_tokens, cached_tokens)
         } else {
             Value::Null
         }
@@ -346,26 +350,26 @@ impl Engine {
         false
     }
 
-    pub(crate) fn params(&self, request_id: &str, block_ids: Vec<u32>, num_tokens: u64) -> Value {
-        let decode = self.cfg.role == Role::Decode;
-        let mut p = json!({
-            "do_remote_decode": decode,
-            "do_remote_prefill": !decode,
-            "remote_block_ids": [block_ids],
-            "remote_engine_id": self.cfg.engine_id,
-            "remote_request_id": request_id,
-            "remote_host": self.advertised_host,
-            "remote_port": self.side_port,
-            "tp_size": self.cfg.tp_size,
-            "remote_num_tokens": num_tokens,
+    /// The `kv_transfer_params` of a hold ([`crate::params`]).
+    pub(crate) fn params(
+        &self,
+        request_id: &str,
+        block_ids: Vec<u32>,
+        num_tokens: u64,
+        cached_tokens: Option<u64>,
+    ) -> Value {
+        let expiry_s = (self.cfg.role == Role::Decode).then(|| {
+            (self.start.elapsed() + Duration::from_millis(self.cfg.decoder_kv_blocks_ttl_ms))
+                .as_secs_f64()
         });
-        if decode {
-            let expiry = (self.start.elapsed()
-                + Duration::from_millis(self.cfg.decoder_kv_blocks_ttl_ms))
-            .as_secs_f64();
-            p["remote_blocks_expiry_time"] = json!(expiry);
-        }
-        p
+        let held = HeldBlocks {
+            request_id,
+            block_ids,
+            num_tokens,
+            cached_tokens,
+            expiry_s,
+        };
+        kv_transfer_params(&self.cfg, &self.advertised_host, self.side_port, held)
     }
 
     /// Reports one prefill to the node agent (when configured), in the

@@ -129,6 +129,7 @@ async fn prefill(e: Arc<Engine>, api: Api, g: Generation) -> Response {
             ids,
             n_prompt,
             Duration::from_millis(e.cfg.lease_ms),
+            Some(reused),
         )
         .await;
     let choice = match api {

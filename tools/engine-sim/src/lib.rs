@@ -60,7 +60,7 @@
 //!
 //! Modules, one job each: [`config`], `api` (shapes shared by the handlers), [`tokenizer`] (and the chat template),
 //! [`blocks`] (allocator), [`transfer`] (the READ trait and the side
-//! channel's client), [`side_channel`] (its server), [`stats`], [`engine`]
+//! channel's client), [`side_channel`] (its server), [`stats`], [`params`] (the params it emits), [`engine`]
 //! (shared state) and [`pull`] (its READ side), [`http`] (OpenAI handlers),
 //! [`decode`] (answers and the SSE writer), [`server`] (spawning).
 #![forbid(unsafe_code)]
@@ -74,6 +74,7 @@ mod http;
 pub mod kv;
 pub mod managed;
 pub mod metrics;
+pub mod params;
 pub mod profile;
 mod pull;
 pub mod server;
@@ -83,7 +84,7 @@ pub mod tokenizer;
 pub mod transfer;
 
 pub use blocks::BlockAllocator;
-pub use config::{KvMode, Role, SimConfig, TokenizerKind};
+pub use config::{KvMode, Role, SimConfig, StreamParams, TokenizerKind};
 pub use engine::Engine;
 pub use kv::{DataplaneTransfer, KvMemory, KvShape, VerifyOutcome};
 pub use profile::CostProfile;
