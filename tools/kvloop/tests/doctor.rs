@@ -19,7 +19,10 @@ fn doctor(wrapper: &[&str], args: &[&str]) -> (i32, Value) {
     let o = kvloop(wrapper, &a, T);
     let out = String::from_utf8_lossy(&o.stdout);
     let v: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| {
-        panic!("doctor printed no JSON ({e}): {out}\n{}", String::from_utf8_lossy(&o.stderr))
+        panic!(
+            "doctor printed no JSON ({e}): {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        )
     });
     let code = o.status.code().expect("exit code");
     assert_eq!(v["exit_code"], code, "{v}");
@@ -78,27 +81,42 @@ fn wrong_router_token_fails_against_a_real_router() {
             dir.path(),
             &format!("agent-{tok}"),
             free_port(),
-            &format!("[[routers]]\nurl = \"http://{}\"\ntoken = \"{tok}\"", r.http),
+            &format!(
+                "[[routers]]\nurl = \"http://{}\"\ntoken = \"{tok}\"",
+                r.http
+            ),
         )
     };
     let wrong = cfg("wrong-token");
     let (code, v) = doctor(&[], &["--config", wrong.to_str().unwrap()]);
     let c = check(&v, "routers");
     assert_eq!(c["level"], "fail", "{c}");
-    assert!(c["detail"].as_str().unwrap().contains("token refused (401)"), "{c}");
+    assert!(
+        c["detail"]
+            .as_str()
+            .unwrap()
+            .contains("token refused (401)"),
+        "{c}"
+    );
     assert!(c["fix"].as_str().unwrap().contains("admin_token"), "{c}");
     assert_eq!(code, 2);
     let right = cfg("right-token");
     let (_, v) = doctor(&[], &["--config", right.to_str().unwrap()]);
     let c = check(&v, "routers");
     assert_eq!(c["level"], "pass", "{c}");
-    assert!(c["detail"].as_str().unwrap().contains("token accepted"), "{c}");
+    assert!(
+        c["detail"].as_str().unwrap().contains("token accepted"),
+        "{c}"
+    );
     // A router that is not there.
     let gone = agent_toml(
         dir.path(),
         "agent-gone",
         free_port(),
-        &format!("[[routers]]\nurl = \"http://127.0.0.1:{}\"\ntoken = \"t\"", free_port()),
+        &format!(
+            "[[routers]]\nurl = \"http://127.0.0.1:{}\"\ntoken = \"t\"",
+            free_port()
+        ),
     );
     let (_, v) = doctor(&[], &["--config", gone.to_str().unwrap()]);
     let c = check(&v, "routers");
@@ -110,7 +128,11 @@ fn wrong_router_token_fails_against_a_real_router() {
 fn missing_plugin_directory_fails_with_a_nixl_backend() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("a.toml");
-    std::fs::write(&cfg, "backend = { kind = \"nixl\", plugin = \"LIBFABRIC\" }\n").unwrap();
+    std::fs::write(
+        &cfg,
+        "backend = { kind = \"nixl\", plugin = \"LIBFABRIC\" }\n",
+    )
+    .unwrap();
     let missing = dir.path().join("no-such-plugins");
     let (code, v) = doctor(
         &[],
@@ -123,7 +145,10 @@ fn missing_plugin_directory_fails_with_a_nixl_backend() {
     );
     let c = check(&v, "nixl_plugins");
     assert_eq!(c["level"], "fail", "{c}");
-    assert!(c["detail"].as_str().unwrap().contains("no-such-plugins"), "{c}");
+    assert!(
+        c["detail"].as_str().unwrap().contains("no-such-plugins"),
+        "{c}"
+    );
     assert_eq!(code, 2);
     // A directory holding the plugin passes.
     let ok = dir.path().join("plugins");
@@ -131,7 +156,12 @@ fn missing_plugin_directory_fails_with_a_nixl_backend() {
     std::fs::write(ok.join("libplugin_LIBFABRIC.so"), b"").unwrap();
     let (_, v) = doctor(
         &[],
-        &["--config", cfg.to_str().unwrap(), "--nixl-plugin-dir", ok.to_str().unwrap()],
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--nixl-plugin-dir",
+            ok.to_str().unwrap(),
+        ],
     );
     assert_eq!(level(&v, "nixl_plugins"), "pass", "{v}");
 }
@@ -143,14 +173,25 @@ fn no_efa_device_here_is_a_warning() {
     let (_, v) = doctor(&[], &[]);
     let c = check(&v, "efa");
     assert_eq!(c["level"], "warn", "{c}");
-    assert!(c["detail"].as_str().unwrap().contains("no EFA device"), "{c}");
+    assert!(
+        c["detail"].as_str().unwrap().contains("no EFA device"),
+        "{c}"
+    );
     assert_eq!(level(&v, "uprobes"), "skip");
 }
 
 /// A `kvloop node` (it has kvloop's READ sites) to attach uprobes to.
 fn engine_process() -> kvloop_cli::child::NodeChild {
     let mut cmd = std::process::Command::new(KVLOOP);
-    cmd.args(["node", "--engine-id", "doctor-target", "--num-blocks", "2", "--block-bytes", "4096"]);
+    cmd.args([
+        "node",
+        "--engine-id",
+        "doctor-target",
+        "--num-blocks",
+        "2",
+        "--block-bytes",
+        "4096",
+    ]);
     kvloop_cli::child::NodeChild::spawn(cmd).expect("kvloop node")
 }
 
@@ -168,12 +209,23 @@ fn sys_admin_dropped_with_setpriv_fails_capabilities_and_uprobes() {
     assert_eq!(level(&v, "capabilities"), "pass", "{v}");
     // CAP_SYS_ADMIN dropped (kernel >= 6.16 here: uprobes need it).
     let (code, v) = doctor(
-        &["setpriv", "--inh-caps=-all", "--bounding-set=-sys_admin", "--"],
+        &[
+            "setpriv",
+            "--inh-caps=-all",
+            "--bounding-set=-sys_admin",
+            "--",
+        ],
         &["--pid", &pid],
     );
     let caps = check(&v, "capabilities");
     assert_eq!(caps["level"], "fail", "{caps}");
-    assert!(caps["detail"].as_str().unwrap().contains("missing CAP_SYS_ADMIN"), "{caps}");
+    assert!(
+        caps["detail"]
+            .as_str()
+            .unwrap()
+            .contains("missing CAP_SYS_ADMIN"),
+        "{caps}"
+    );
     let u = check(&v, "uprobes");
     assert_eq!(u["level"], "fail", "{u}");
     assert!(u["fix"].as_str().unwrap().contains("CAP_SYS_ADMIN"), "{u}");
@@ -201,7 +253,13 @@ fn memlock_limit_without_ipc_lock_warns() {
     let c = check(&v, "memlock");
     // No EFA here: a warning (EFA would make it a failure, see the unit tests).
     assert_eq!(c["level"], "warn", "{c}");
-    assert!(c["detail"].as_str().unwrap().contains("64 KiB without CAP_IPC_LOCK"), "{c}");
+    assert!(
+        c["detail"]
+            .as_str()
+            .unwrap()
+            .contains("64 KiB without CAP_IPC_LOCK"),
+        "{c}"
+    );
     let (_, v) = doctor(&[], &[]);
     assert_eq!(level(&v, "memlock"), "pass", "{v}");
 }

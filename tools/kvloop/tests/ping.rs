@@ -38,7 +38,11 @@ fn ping_reads_from_a_real_agents_probe_engine() {
     assert_eq!(c[0]["backend"], "libfabric/tcp;ofi_rxm", "{}", c[0]);
     let reads = events(&out, "read");
     assert_eq!(reads.len(), 10, "{out:?}");
-    assert!(reads.iter().all(|r| r["ok"] == true && r["us"].as_f64().unwrap() > 0.0));
+    assert!(
+        reads
+            .iter()
+            .all(|r| r["ok"] == true && r["us"].as_f64().unwrap() > 0.0)
+    );
     let s = events(&out, "summary");
     assert_eq!(s.len(), 2);
     // Agent probe layout: 2 regions x 64 KiB blocks.
@@ -60,7 +64,10 @@ fn ping_reads_from_a_real_agents_probe_engine() {
     // Strided: one segment per block and region.
     let (code, out, err) = ping(&[&b.http, "-c", "2", "--blocks", "4", "--strided", "-q"]);
     assert_eq!(code, 0, "{err}");
-    assert!(events(&out, "read").is_empty(), "--quiet prints no READ lines");
+    assert!(
+        events(&out, "read").is_empty(),
+        "--quiet prints no READ lines"
+    );
     assert_eq!(events(&out, "summary")[0]["segments"], 8);
 }
 
@@ -90,7 +97,16 @@ fn ping_is_bounded_by_its_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let (b, _) = agent(dir.path(), "node-b", "");
     let t = Instant::now();
-    let (code, out, err) = ping(&[&b.http, "-c", "100000", "--blocks", "1", "--deadline-s", "0.5", "-q"]);
+    let (code, out, err) = ping(&[
+        &b.http,
+        "-c",
+        "100000",
+        "--blocks",
+        "1",
+        "--deadline-s",
+        "0.5",
+        "-q",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
     let s = events(&out, "summary")[0];

@@ -72,7 +72,12 @@ fn skip(name: &'static str, detail: impl Into<String>) -> Check {
     }
 }
 
-fn bad(name: &'static str, level: Level, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+fn bad(
+    name: &'static str,
+    level: Level,
+    detail: impl Into<String>,
+    fix: impl Into<String>,
+) -> Check {
     Check {
         name,
         level,
@@ -121,7 +126,10 @@ pub fn libfabric(f: &Facts) -> Check {
         // NIXL's LIBFABRIC plugin uses libfabric's efa provider.
         Backend::Nixl { plugin } if plugin == "LIBFABRIC" => "efa".to_string(),
         Backend::Nixl { plugin } => {
-            return skip(N, format!("backend NIXL {plugin} ({source}): libfabric unused"));
+            return skip(
+                N,
+                format!("backend NIXL {plugin} ({source}): libfabric unused"),
+            );
         }
     };
     let provs = match &f.fi_providers {
@@ -160,7 +168,10 @@ pub fn libfabric(f: &Facts) -> Check {
             "set backend = { kind = \"libfabric\", provider = \"efa\" } in agent.toml",
         );
     }
-    ok(N, format!("chosen `{chosen}` ({source}); available: {list}"))
+    ok(
+        N,
+        format!("chosen `{chosen}` ({source}); available: {list}"),
+    )
 }
 
 /// EFA devices and their counters.
@@ -296,7 +307,11 @@ pub fn nixl_plugins(f: &Facts) -> Check {
         return bad(
             N,
             Level::Warn,
-            format!("{}: no LIBFABRIC plugin (found: {})", dir.display(), found.join(",")),
+            format!(
+                "{}: no LIBFABRIC plugin (found: {})",
+                dir.display(),
+                found.join(",")
+            ),
             "NIXL on EFA needs its LIBFABRIC plugin: install a NIXL build with it",
         );
     }
@@ -326,7 +341,10 @@ pub fn engine_backend(f: &Facts) -> Check {
         }
     }
     if found.is_empty() {
-        return skip(N, "no NIXL engine seen (agent on libfabric; no --pid using NIXL)");
+        return skip(
+            N,
+            "no NIXL engine seen (agent on libfabric; no --pid using NIXL)",
+        );
     }
     let text = found
         .iter()
@@ -429,11 +447,14 @@ pub fn capabilities(f: &Facts) -> Check {
     let admin = cap::has(e, cap::SYS_ADMIN);
     let have = format!("CapEff {e:#x} ({})", cap_names(e));
     let new_caps = f.kernel.is_none_or(|k| k >= (5, 8));
-    if !admin && !(new_caps && cap::has(e, cap::BPF) && cap::has(e, cap::PERFMON)) {
+    let bpf_caps = new_caps && cap::has(e, cap::BPF) && cap::has(e, cap::PERFMON);
+    if !(admin || bpf_caps) {
         return bad(
             N,
             Level::Fail,
-            format!("{have}: eBPF programs cannot load (need CAP_BPF+CAP_PERFMON or CAP_SYS_ADMIN)"),
+            format!(
+                "{have}: eBPF programs cannot load (need CAP_BPF+CAP_PERFMON or CAP_SYS_ADMIN)"
+            ),
             "add SYS_ADMIN to agent.capabilities (it covers BPF and PERFMON)",
         );
     }
@@ -444,7 +465,8 @@ pub fn capabilities(f: &Facts) -> Check {
             Level::Fail,
             format!(
                 "{have}: missing CAP_SYS_ADMIN; uprobes need it on Linux >= 6.16 (kernel {})",
-                f.kernel.map_or("unknown".into(), |(a, b)| format!("{a}.{b}"))
+                f.kernel
+                    .map_or("unknown".into(), |(a, b)| format!("{a}.{b}"))
             ),
             "add SYS_ADMIN to agent.capabilities, or set require_ebpf = false (user-space timing)",
         );
@@ -496,7 +518,12 @@ pub fn uprobes(f: &Facts) -> Check {
     match &u.result {
         Ok(syms) => ok(
             N,
-            format!("pid {}: {} uprobes attach on {}", u.pid, syms.len(), u.target),
+            format!(
+                "pid {}: {} uprobes attach on {}",
+                u.pid,
+                syms.len(),
+                u.target
+            ),
         ),
         Err(e) => {
             let fix = if e.contains("ermission") || e.contains("EPERM") || e.contains("EACCES") {
@@ -504,7 +531,12 @@ pub fn uprobes(f: &Facts) -> Check {
             } else {
                 "the binary must be unstripped and link kvloop's dataplane or libnixl.so"
             };
-            bad(N, Level::Fail, format!("pid {} ({}): {e}", u.pid, u.target), fix)
+            bad(
+                N,
+                Level::Fail,
+                format!("pid {} ({}): {e}", u.pid, u.target),
+                fix,
+            )
         }
     }
 }
@@ -536,7 +568,10 @@ pub fn side_channels(f: &Facts) -> Check {
         .map(|(n, a)| format!("{n}={a}"))
         .collect::<Vec<_>>()
         .join(", ");
-    let unspecified: Vec<_> = scs.iter().filter(|(_, a)| a.ip().is_unspecified()).collect();
+    let unspecified: Vec<_> = scs
+        .iter()
+        .filter(|(_, a)| a.ip().is_unspecified())
+        .collect();
     if !unspecified.is_empty() {
         return bad(
             N,
@@ -598,12 +633,20 @@ pub fn routers(f: &Facts) -> Check {
                 format!(
                     "{}: token refused (401){}",
                     r.url,
-                    if r.token_set { "" } else { ", no token configured" }
+                    if r.token_set {
+                        ""
+                    } else {
+                        ", no token configured"
+                    }
                 ),
                 "set [[routers]].token (or KVLOOP_AGENT_ROUTER_TOKEN) to the router's admin_token \
                  (Secret kvloop-router-admin)",
             ),
-            (Ok(_), Ok(400)) => (Level::Pass, format!("{}: reachable, token accepted", r.url), ""),
+            (Ok(_), Ok(400)) => (
+                Level::Pass,
+                format!("{}: reachable, token accepted", r.url),
+                "",
+            ),
             (Ok(_), Ok(s)) => (
                 Level::Warn,
                 format!("{}: PUT /admin/thresholds answered {s}", r.url),

@@ -12,14 +12,25 @@ fn efa_dev() -> RdmaDevice {
 }
 
 fn all_caps() -> u64 {
-    [cap::IPC_LOCK, cap::SYS_PTRACE, cap::SYS_ADMIN, cap::PERFMON, cap::BPF]
-        .iter()
-        .fold(0, |a, c| a | (1 << c))
+    [
+        cap::IPC_LOCK,
+        cap::SYS_PTRACE,
+        cap::SYS_ADMIN,
+        cap::PERFMON,
+        cap::BPF,
+    ]
+    .iter()
+    .fold(0, |a, c| a | (1 << c))
 }
 
 fn healthy() -> Facts {
     Facts {
-        fi_providers: Ok(vec!["efa".into(), "tcp".into(), "ofi_rxm".into(), "shm".into()]),
+        fi_providers: Ok(vec![
+            "efa".into(),
+            "tcp".into(),
+            "ofi_rxm".into(),
+            "shm".into(),
+        ]),
         backend: (
             Backend::Libfabric {
                 provider: "efa".into(),
@@ -42,7 +53,10 @@ fn healthy() -> Facts {
             target: "/proc/42/root/usr/lib/libnixl.so".into(),
             result: Ok(vec!["a".into(), "b".into()]),
         }),
-        side_channels: Ok(vec![("probe.node-a".into(), "10.0.0.1:5600".parse().unwrap())]),
+        side_channels: Ok(vec![(
+            "probe.node-a".into(),
+            "10.0.0.1:5600".parse().unwrap(),
+        )]),
         peers: vec![("node-b".into(), "10.0.0.2:9470".parse().unwrap())],
         routers: vec![RouterProbe {
             url: "http://10.0.0.9:8000".into(),
@@ -245,7 +259,10 @@ fn uprobe_attach_refused_fails_and_names_sys_admin() {
 #[test]
 fn loopback_side_channel_fails_while_peers_are_elsewhere() {
     let mut f = healthy();
-    f.side_channels = Ok(vec![("probe.node-a".into(), "127.0.0.1:5600".parse().unwrap())]);
+    f.side_channels = Ok(vec![(
+        "probe.node-a".into(),
+        "127.0.0.1:5600".parse().unwrap(),
+    )]);
     let c = side_channels(&f);
     assert_eq!(c.level, Level::Fail);
     assert!(c.detail.contains("node-b"), "{}", c.detail);

@@ -121,8 +121,8 @@ pub struct EngineAddr {
 /// # Errors
 /// The read or TOML error, naming the file.
 pub fn read_config(path: &Path) -> anyhow::Result<AgentToml> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
@@ -224,7 +224,11 @@ pub fn parse_maps(maps: &str) -> (Vec<String>, Option<String>) {
         };
         if let Some(p) = plugin_name(path) {
             plugins.push(p);
-        } else if path.rsplit('/').next().is_some_and(|b| b.starts_with("libnixl.so")) {
+        } else if path
+            .rsplit('/')
+            .next()
+            .is_some_and(|b| b.starts_with("libnixl.so"))
+        {
             nixl = Some(path.to_string());
         }
     }
@@ -443,10 +447,11 @@ pub async fn gather(a: &DoctorArgs) -> anyhow::Result<Facts> {
         Some(pid) => Some(tokio::task::spawn_blocking(move || uprobe(pid)).await?),
         None => None,
     };
-    let agent = a
-        .agent
-        .clone()
-        .or_else(|| cfg.as_ref().and_then(|c| c.http_listen).map(|s| s.to_string()));
+    let agent = a.agent.clone().or_else(|| {
+        cfg.as_ref()
+            .and_then(|c| c.http_listen)
+            .map(|s| s.to_string())
+    });
     let side_channels = match (&agent, &cfg) {
         (Some(ag), _) => engines(&client, ag).await.map(|i| {
             i.probe
@@ -457,7 +462,10 @@ pub async fn gather(a: &DoctorArgs) -> anyhow::Result<Facts> {
         }),
         (None, Some(c)) => Ok(if c.probe.enabled {
             let ip = c.node_addr.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            vec![("node_addr".to_string(), SocketAddr::new(ip, c.probe.side_channel_port))]
+            vec![(
+                "node_addr".to_string(),
+                SocketAddr::new(ip, c.probe.side_channel_port),
+            )]
         } else {
             Vec::new()
         }),
@@ -469,7 +477,11 @@ pub async fn gather(a: &DoctorArgs) -> anyhow::Result<Facts> {
         .unwrap_or_default();
     let env_token = std::env::var("KVLOOP_AGENT_ROUTER_TOKEN").ok();
     let mut routers = Vec::new();
-    for r in cfg.as_ref().map(|c| c.routers.as_slice()).unwrap_or_default() {
+    for r in cfg
+        .as_ref()
+        .map(|c| c.routers.as_slice())
+        .unwrap_or_default()
+    {
         let tok = env_token.as_deref().or(r.token.as_deref());
         routers.push(router(&client, &r.url, tok).await);
     }
@@ -510,7 +522,8 @@ mod tests {
 
     #[test]
     fn parsers_read_real_texts() {
-        let fi = "psm2:\n    version: 117.0\ntcp:\n    version: 117.0\nofi_rxm:\n    version: 117.0\n";
+        let fi =
+            "psm2:\n    version: 117.0\ntcp:\n    version: 117.0\nofi_rxm:\n    version: 117.0\n";
         assert_eq!(parse_fi_info_list(fi), ["psm2", "tcp", "ofi_rxm"]);
         let maps = "7f00-7f01 r-xp 00000000 08:01 12 /opt/nixl/lib/libnixl.so\n\
                     7f02-7f03 r-xp 00000000 08:01 13 /opt/nixl/plugins/libplugin_UCX.so\n\
@@ -518,10 +531,16 @@ mod tests {
         let (p, n) = parse_maps(maps);
         assert_eq!(p, ["UCX"]);
         assert_eq!(n.as_deref(), Some("/opt/nixl/lib/libnixl.so"));
-        assert_eq!(parse_cap_eff("Name:\tx\nCapEff:\t000001ffffffffff\n"), Some(0x1ff_ffff_ffff));
+        assert_eq!(
+            parse_cap_eff("Name:\tx\nCapEff:\t000001ffffffffff\n"),
+            Some(0x1ff_ffff_ffff)
+        );
         assert_eq!(parse_kernel("6.18.2-arch1-1\n"), Some((6, 18)));
         assert_eq!(parse_hugepages("HugePages_Total:       0\n"), Some(0));
-        assert_eq!(plugin_name("libplugin_LIBFABRIC.so").as_deref(), Some("LIBFABRIC"));
+        assert_eq!(
+            plugin_name("libplugin_LIBFABRIC.so").as_deref(),
+            Some("LIBFABRIC")
+        );
         assert_eq!(plugin_name("libnixl.so"), None);
     }
 
@@ -542,7 +561,9 @@ mod tests {
              [[routers]]\nurl = \"http://r:8000\"\n[probe]\nside_channel_port = 5600\nnum_blocks = 4\n",
         )
         .unwrap();
-        assert!(matches!(c.backend, Some(BackendToml::Nixl { ref plugin }) if plugin == "LIBFABRIC"));
+        assert!(
+            matches!(c.backend, Some(BackendToml::Nixl { ref plugin }) if plugin == "LIBFABRIC")
+        );
         assert_eq!(c.peers[0].http.port(), 9470);
         assert_eq!(c.probe.side_channel_port, 5600);
         assert!(c.routers[0].token.is_none());

@@ -43,7 +43,12 @@ pub struct DoctorArgs {
 pub fn render(checks: &[Check]) -> String {
     let mut s = String::new();
     for c in checks {
-        s.push_str(&format!("[{}] {:<15} {}\n", c.level.word(), c.name, c.detail));
+        s.push_str(&format!(
+            "[{}] {:<15} {}\n",
+            c.level.word(),
+            c.name,
+            c.detail
+        ));
         if let Some(f) = &c.fix {
             s.push_str(&format!("       {:<15} fix: {f}\n", ""));
         }

@@ -137,7 +137,10 @@ async fn connect(
     sc: SocketAddr,
     listen: SocketAddr,
     max_blocks: u32,
-) -> Result<(TransferEngine, kvloop_dataplane::sidechannel::EngineMetadata)> {
+) -> Result<(
+    TransferEngine,
+    kvloop_dataplane::sidechannel::EngineMetadata,
+)> {
     // The agent's probe layout by default (agent/src/config.rs ProbeConfig).
     let mut layout = KvLayout {
         num_regions: 2,
@@ -323,7 +326,15 @@ async fn run_row(
         desc = pairs.len() as u32 * l.num_regions;
     }
     let wall = start.elapsed().as_secs_f64();
-    stats::summarize(bytes, pairs.len() as u32, desc, segments, &lat, failed, wall)
+    stats::summarize(
+        bytes,
+        pairs.len() as u32,
+        desc,
+        segments,
+        &lat,
+        failed,
+        wall,
+    )
 }
 
 fn print_read(
@@ -345,6 +356,8 @@ fn print_read(
                    "source": e.source_kind().to_string()})
         ),
         (false, None) => println!("{bytes} bytes from {peer}: read_seq={seq} time={us:.1} us"),
-        (false, Some(e)) => println!("read from {peer}: read_seq={seq} failed after {us:.1} us: {e}"),
+        (false, Some(e)) => {
+            println!("read from {peer}: read_seq={seq} failed after {us:.1} us: {e}")
+        }
     }
 }

@@ -46,8 +46,13 @@ impl Daemon {
     pub fn start(bin: &str, cfg: &Path, log: &Path) -> Self {
         let mut cmd = Command::new(sibling(bin));
         cmd.arg("--config").arg(cfg).env("RUST_LOG", "warn");
-        let child = ReadyChild::start(bin, cmd, Some(log), Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("{e:#}: {}", std::fs::read_to_string(log).unwrap_or_default()));
+        let child =
+            ReadyChild::start(bin, cmd, Some(log), Duration::from_secs(60)).unwrap_or_else(|e| {
+                panic!(
+                    "{e:#}: {}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                )
+            });
         let http = child.get("http").unwrap();
         Self { child, http }
     }
@@ -86,7 +91,8 @@ pub fn ok_server() -> String {
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
             let mut buf = [0u8; 4096];
             let _ = s.read(&mut buf);
-            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+            let _ =
+                s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
         }
     });
     url
@@ -109,13 +115,15 @@ pub fn router(dir: &Path, token: &str) -> Daemon {
     let r = Daemon::start("kvloop-router", &cfg, &dir.join("router.log"));
     // Bounded wait for the first health round.
     for _ in 0..50 {
-        let ok = std::net::TcpStream::connect(&r.http).ok().and_then(|mut s| {
-            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                .ok()?;
-            let mut out = String::new();
-            s.read_to_string(&mut out).ok()?;
-            Some(out.starts_with("HTTP/1.1 200"))
-        });
+        let ok = std::net::TcpStream::connect(&r.http)
+            .ok()
+            .and_then(|mut s| {
+                s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .ok()?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).ok()?;
+                Some(out.starts_with("HTTP/1.1 200"))
+            });
         if ok == Some(true) {
             break;
         }
