@@ -586,7 +586,7 @@ pub fn side_channels(f: &Facts) -> Check {
             N,
             Level::Fail,
             format!(
-                "{list}: loopback side channel while peers {} are on other hosts",
+                "{list}: loopback side channel while peers are on other hosts: {}",
                 remote.join(",")
             ),
             "set node_addr in agent.toml to this node's address on the KV network (default 127.0.0.1)",

@@ -135,7 +135,7 @@ pub async fn engines(client: &reqwest::Client, agent: &str) -> Result<EnginesInf
         .get(format!("http://{agent}/v1/engines"))
         .send()
         .await
-        .map_err(|e| format!("GET http://{agent}/v1/engines: {e}"))?;
+        .map_err(|e| format!("GET http://{agent}/v1/engines: {}", short(&e)))?;
     if !r.status().is_success() {
         return Err(format!("GET http://{agent}/v1/engines: {}", r.status()));
     }
@@ -352,7 +352,7 @@ async fn router(client: &reqwest::Client, url: &str, token: Option<&str>) -> Rou
 }
 
 /// A reqwest error with its causes (reqwest's own text is only the first).
-fn short(e: &reqwest::Error) -> String {
+pub fn short(e: &reqwest::Error) -> String {
     let mut s = e.to_string();
     let mut src = std::error::Error::source(e);
     while let Some(c) = src {
