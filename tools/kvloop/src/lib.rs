@@ -7,3 +7,4 @@ pub mod engine_args;
 pub mod netns;
 pub mod pattern;
 pub mod ping;
+pub mod top;

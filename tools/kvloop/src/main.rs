@@ -7,7 +7,7 @@ mod multiturn;
 mod node;
 mod trace;
 
-use kvloop_cli::{doctor, engine_args, ping};
+use kvloop_cli::{doctor, engine_args, ping, top};
 
 use clap::{Parser, Subcommand};
 
@@ -38,6 +38,8 @@ enum Cmd {
     Doctor(doctor::DoctorArgs),
     /// READ latency and bandwidth against a peer agent's probe engine (ib_read_lat style).
     Ping(ping::PingArgs),
+    /// Live view of agents: paths, probe READ latency, thresholds, router decisions.
+    Top(top::TopArgs),
 }
 
 #[derive(clap::Args)]
@@ -90,6 +92,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Trace(a) => trace::run(a).await,
             Cmd::Doctor(a) => std::process::exit(doctor::run(a).await?),
             Cmd::Ping(a) => std::process::exit(ping::run(a).await?),
+            Cmd::Top(a) => std::process::exit(top::run(a).await?),
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
             Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(*a).await,
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {

@@ -168,11 +168,13 @@ pub fn need_root(test: &str) {
     assert_eq!(uid, 0, "{test} needs root (setpriv --bounding-set, eBPF)");
 }
 
-/// Panics unless `tool` runs (`--version`).
+/// Panics unless `tool` runs (`--version`, or `-V` as tmux has it).
 pub fn need_tool(tool: &str) {
-    let ok = Command::new(tool)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(ok, "this test needs `{tool}` (util-linux)");
+    let runs = |flag: &str| {
+        Command::new(tool)
+            .arg(flag)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    assert!(runs("--version") || runs("-V"), "this test needs `{tool}`");
 }
