@@ -16,7 +16,7 @@ use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Modifier, Style};
 use ratatui::widgets::{Block, Paragraph, Row, Table};
 
-use model::{SortKey, Snapshot};
+use model::{Snapshot, SortKey};
 
 /// Flags of `kvloop top`.
 #[derive(Clone, Debug, Args)]
@@ -207,7 +207,11 @@ fn draw(f: &mut ratatui::Frame, s: &Snapshot, ui: &Ui, when: &str) {
             "q quit  s sort: {}  a alarms only: {}  / filter: {}",
             ui.key.label(),
             if ui.alarms_only { "on" } else { "off" },
-            if ui.filter.is_empty() { "-" } else { &ui.filter }
+            if ui.filter.is_empty() {
+                "-"
+            } else {
+                &ui.filter
+            }
         )
     };
     f.render_widget(Paragraph::new(foot_text), foot);
@@ -252,7 +256,9 @@ async fn ui_loop(
     let mut snap = snapshot(c, a).await;
     let mut fetched = Instant::now();
     loop {
-        if a.seconds.is_some_and(|s| start.elapsed().as_secs_f64() >= s) {
+        if a.seconds
+            .is_some_and(|s| start.elapsed().as_secs_f64() >= s)
+        {
             return Ok(());
         }
         if fetched.elapsed() >= period {
@@ -261,7 +267,9 @@ async fn ui_loop(
         }
         let when = format!("{:.0} s", start.elapsed().as_secs_f64());
         term.draw(|f| draw(f, &snap, &ui, &when))?;
-        let wait = period.saturating_sub(fetched.elapsed()).min(Duration::from_millis(200));
+        let wait = period
+            .saturating_sub(fetched.elapsed())
+            .min(Duration::from_millis(200));
         let ev = tokio::task::block_in_place(|| -> std::io::Result<Option<Event>> {
             if event::poll(wait)? {
                 Ok(Some(event::read()?))

@@ -183,7 +183,8 @@ pub fn add_router(snap: &mut Snapshot, router: &str, metrics: &str) {
         if s.name == "kvloop_router_decisions_total"
             && let Some(r) = s.labels.get("reason")
         {
-            snap.decisions.push((router.to_string(), r.clone(), s.value));
+            snap.decisions
+                .push((router.to_string(), r.clone(), s.value));
         }
     }
 }
