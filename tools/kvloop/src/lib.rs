@@ -2,6 +2,9 @@
 //! demos (child `kvloop node` processes, network-namespace "nodes",
 //! deterministic block patterns).
 pub mod child;
+pub mod doctor;
 pub mod engine_args;
 pub mod netns;
 pub mod pattern;
+pub mod ping;
+pub mod top;

@@ -7,7 +7,7 @@ mod multiturn;
 mod node;
 mod trace;
 
-use kvloop_cli::engine_args;
+use kvloop_cli::{doctor, engine_args, ping, top};
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +34,12 @@ enum Cmd {
     Explain(explain::ExplainArgs),
     /// Stream READ and prefill events live from the eBPF probes.
     Trace(trace::TraceArgs),
+    /// Check this node against the known pitfalls (pass / warn / fail, with fixes).
+    Doctor(doctor::DoctorArgs),
+    /// READ latency and bandwidth against a peer agent's probe engine (ib_read_lat style).
+    Ping(ping::PingArgs),
+    /// Live view of agents: paths, probe READ latency, thresholds, router decisions.
+    Top(top::TopArgs),
 }
 
 #[derive(clap::Args)]
@@ -84,6 +90,9 @@ fn main() -> anyhow::Result<()> {
             Cmd::Node(a) => node::run(a).await,
             Cmd::Explain(a) => tokio::task::spawn_blocking(move || explain::run(a)).await?,
             Cmd::Trace(a) => trace::run(a).await,
+            Cmd::Doctor(a) => std::process::exit(doctor::run(a).await?),
+            Cmd::Ping(a) => std::process::exit(ping::run(a).await?),
+            Cmd::Top(a) => std::process::exit(top::run(a).await?),
             Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
             Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(*a).await,
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {
