@@ -124,19 +124,7 @@ pub struct Agent {
     next_generation: AtomicU64,
 }
 
-/// Whether a `peers[]` entry is this agent itself: same name as `agent_id`,
-/// or its HTTP address is this agent's `http_listen` (or `node_addr` with
-/// the `http_listen` port, for a wildcard listen address).
-pub fn is_own_peer_entry(cfg: &AgentConfig, p: &crate::config::PeerConfig) -> bool {
-    if p.name == cfg.agent_id {
-        return true;
-    }
-    let own = cfg.http_listen;
-    p.http == own
-        || (p.http.port() == own.port()
-            && (p.http.ip() == cfg.node_addr
-                || (own.ip().is_unspecified() && p.http.ip().is_loopback())))
-}
+pub use crate::config::is_own_peer_entry;
 
 impl Agent {
     /// Builds the agent: cost model with the configured pairs, probe engine.
@@ -328,6 +316,11 @@ impl Agent {
         layout
             .validate()
             .map_err(|e| ApiError::new("bad_request", e.to_string()))?;
+        // Params naming a side channel peers cannot reach would make every
+        // reader decline and recompute, silently: refuse instead.
+        self.cfg
+            .check_side_channel_reachable()
+            .map_err(|e| ApiError::new("bad_request", format!("side channel: {e}")))?;
         let host = match regions {
             RegionSource::Memfd { len_bytes } => {
                 if fds.len() != layout.num_regions as usize || len_bytes.len() != fds.len() {

@@ -536,6 +536,32 @@ pub async fn run_events(
     }
 }
 
+/// The owner's side channel from the params' `remote_host` and
+/// `remote_port`: `remote_host` is a host name or an IP literal (IPv6 with or
+/// without brackets), the same contract as the router's registry; a name is
+/// resolved here (the first address).
+///
+/// # Errors
+/// [`TransferError::Declined`] naming `remote_host` when it neither parses
+/// nor resolves.
+pub async fn resolve_side_channel(host: &str, port: u16) -> Result<SocketAddr, TransferError> {
+    let hp = host_port(host, port);
+    if let Ok(a) = hp.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let declined = |why: String| {
+        TransferError::Declined(format!(
+            "remote_host `{host}`: expected a host name or IP literal of the owner's side channel ({why})"
+        ))
+    };
+    match tokio::net::lookup_host(&hp).await {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| declined("the name has no address".into())),
+        Err(e) => Err(declined(format!("resolving `{hp}`: {e}"))),
+    }
+}
+
 /// The managed-mode [`KvTransfer`]: the node agent READs the owner's blocks
 /// into this engine's (registered) memory.
 pub struct AgentTransfer {
@@ -571,12 +597,7 @@ impl AgentTransfer {
         if connected.contains(&req.remote_engine_id) {
             return Ok(());
         }
-        let hp = host_port(&req.remote_host, req.remote_port);
-        let addr: SocketAddr = hp.parse().map_err(|_| {
-            TransferError::Declined(format!(
-                "remote_host/remote_port `{hp}`: expected an IP address and port (the owner's side channel)"
-            ))
-        })?;
+        let addr = resolve_side_channel(&req.remote_host, req.remote_port).await?;
         let engine_id = self.reg.engine_id();
         let peer = self
             .reg
@@ -635,5 +656,27 @@ impl KvTransfer for AgentTransfer {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `remote_host` is a host name or an IP literal, as at the router.
+    #[tokio::test]
+    async fn side_channel_hosts_are_names_or_ip_literals() {
+        let a = resolve_side_channel("127.0.0.1", 5600).await.unwrap();
+        assert_eq!(a, "127.0.0.1:5600".parse().unwrap());
+        for v6 in ["::1", "[::1]"] {
+            let a = resolve_side_channel(v6, 5600).await.unwrap();
+            assert_eq!(a, "[::1]:5600".parse().unwrap(), "{v6}");
+        }
+        let a = resolve_side_channel("localhost", 5600).await.unwrap();
+        assert!(a.ip().is_loopback() && a.port() == 5600, "{a}");
+        match resolve_side_channel("no-such-host.invalid", 5600).await {
+            Err(TransferError::Declined(m)) => assert!(m.contains("remote_host"), "{m}"),
+            other => panic!("expected a decline naming remote_host, got {other:?}"),
+        }
     }
 }
