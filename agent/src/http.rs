@@ -86,10 +86,30 @@ fn err(code: StatusCode, e: ApiError) -> Response {
     (code, Json(e)).into_response()
 }
 
-async fn renew(State(s): State<Arc<HttpState>>, body: axum::body::Bytes) -> Response {
+async fn renew(
+    State(s): State<Arc<HttpState>>,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            crate::server::garbage_warn(
+                crate::server::Peer::default(),
+                &format!("HTTP POST /v1/leases/renew body refused: {e}"),
+            );
+            return err(
+                e.status(),
+                ApiError::new("bad_request", format!("body: {}", e.body_text())),
+            );
+        }
+    };
     let r: RenewRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
+            crate::server::garbage_warn(
+                crate::server::Peer::default(),
+                &format!("HTTP POST /v1/leases/renew body is not a renew request: {e}"),
+            );
             return err(
                 StatusCode::BAD_REQUEST,
                 ApiError::new("bad_request", format!("body: {e}")),
