@@ -28,7 +28,7 @@ use tokio::sync::Notify;
 use crate::config::AgentConfig;
 use crate::lease::{LeaseError, LeaseInfo, LeaseTable, Released};
 use crate::metrics::{Metrics, labels};
-use crate::proto::{ApiError, EngineEvent, ReadDirection, RegionSource};
+use crate::proto::{ApiError, EngineEvent, ErrorKind, ErrorOrigin, ReadDirection, RegionSource};
 
 /// Prefix of the probe engine's id: `probe.<agent_id>`.
 pub const PROBE_ENGINE_PREFIX: &str = "probe.";
@@ -285,7 +285,7 @@ impl Agent {
             .map(|h| h.engine.clone())
             .ok_or_else(|| {
                 ApiError::new(
-                    "unknown_engine",
+                    ErrorKind::UnknownEngine,
                     format!("engine_id `{engine_id}` is not registered with this agent"),
                 )
             })
@@ -307,7 +307,7 @@ impl Agent {
     ) -> Result<(SocketAddr, String, u64), ApiError> {
         if engine_id.starts_with(PROBE_ENGINE_PREFIX) {
             return Err(ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 format!(
                     "engine_id: `{PROBE_ENGINE_PREFIX}*` is reserved for the agent's probe engine"
                 ),
@@ -315,17 +315,17 @@ impl Agent {
         }
         layout
             .validate()
-            .map_err(|e| ApiError::new("bad_request", e.to_string()))?;
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
         // Params naming a side channel peers cannot reach would make every
         // reader decline and recompute, silently: refuse instead.
         self.cfg
             .check_side_channel_reachable()
-            .map_err(|e| ApiError::new("bad_request", format!("side channel: {e}")))?;
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("side channel: {e}")))?;
         let host = match regions {
             RegionSource::Memfd { len_bytes } => {
                 if fds.len() != layout.num_regions as usize || len_bytes.len() != fds.len() {
                     return Err(ApiError::new(
-                        "bad_request",
+                        ErrorKind::BadRequest,
                         format!(
                             "regions.len_bytes / fds: expected {} of each (layout.num_regions), got {} lengths and {} fds",
                             layout.num_regions,
@@ -337,7 +337,7 @@ impl Agent {
                 let mut v = Vec::with_capacity(fds.len());
                 for (i, (fd, len)) in fds.into_iter().zip(len_bytes).enumerate() {
                     let r = HostRegion::from_fd(fd, len as usize).map_err(|e| {
-                        ApiError::new("bad_request", format!("regions.len_bytes[{i}]: {e}"))
+                        ApiError::new(ErrorKind::BadRequest, format!("regions.len_bytes[{i}]: {e}"))
                     })?;
                     v.push(r);
                 }
@@ -345,7 +345,7 @@ impl Agent {
             }
             RegionSource::CudaIpc { .. } => {
                 return Err(ApiError::new(
-                    "bad_request",
+                    ErrorKind::BadRequest,
                     crate::cuda::unsupported_message(),
                 ));
             }
@@ -362,7 +362,7 @@ impl Agent {
         self.unregister(&engine_id);
         let engine = TransferEngine::start(ecfg, host)
             .await
-            .map_err(|e| ApiError::new("dataplane", e.to_string()))?;
+            .map_err(|e| dataplane_error(&e))?;
         let addr = engine.side_channel_addr();
         let backend = engine.backend_name();
         let mut rx = engine.subscribe_notifications();
@@ -462,7 +462,7 @@ impl Agent {
         let md = e
             .connect(remote)
             .await
-            .map_err(|e| ApiError::new("dataplane", e.to_string()))?;
+            .map_err(|e| dataplane_error(&e))?;
         Ok(md.engine_id)
     }
 
@@ -489,7 +489,7 @@ impl Agent {
         if check_lease {
             let req = notify.as_ref().ok_or_else(|| {
                 ApiError::new(
-                    "bad_request",
+                    ErrorKind::BadRequest,
                     "notify: check_lease needs notify.owner_request_id (the owner's request)",
                 )
             })?;
@@ -538,7 +538,7 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "error")]))
                     .inc();
-                Err(ApiError::new("dataplane", err.to_string()))
+                Err(dataplane_error(&err))
             }
         }
     }
@@ -610,7 +610,7 @@ impl Agent {
         let nb = e.layout().num_blocks as u64;
         if let Some((i, b)) = block_ids.iter().enumerate().find(|(_, b)| **b >= nb) {
             return Err(ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 format!("block_ids[{i}] = {b}: expected a block id below {nb} (layout.num_blocks)"),
             ));
         }
@@ -648,7 +648,7 @@ impl Agent {
                 crate::tasks::refresh_peers(self).await;
                 self.peer_of_engine(owner_engine_id).ok_or_else(|| {
                     ApiError::new(
-                        "unknown_engine",
+                        ErrorKind::UnknownEngine,
                         format!("peer_engine_id `{owner_engine_id}`: no known agent hosts it (peers[] of the config)"),
                     )
                 })?
@@ -656,7 +656,7 @@ impl Agent {
         };
         let http = self.peers.read().unwrap().get(&peer).and_then(|p| p.http);
         let http = http.ok_or_else(|| {
-            ApiError::new("internal", format!("peer `{peer}` has no HTTP address"))
+            ApiError::new(ErrorKind::Internal, format!("peer `{peer}` has no HTTP address"))
         })?;
         let url = format!("http://{http}/v1/leases/renew");
         let body = crate::http::RenewRequest {
@@ -671,16 +671,20 @@ impl Agent {
             .json(&body)
             .send()
             .await
-            .map_err(|e| ApiError::new("lease", format!("renew at {url}: {e}")))?;
+            .map_err(|e| {
+                ApiError::new(ErrorKind::Lease, format!("renew at {url}: {e}"))
+                    .with_origin(ErrorOrigin::Peer)
+            })?;
         let status = resp.status();
         if status.is_success() {
             resp.json::<LeaseInfo>()
                 .await
-                .map_err(|e| ApiError::new("lease", format!("renew at {url}: bad answer: {e}")))
+                .map_err(|e| ApiError::new(ErrorKind::Lease, format!("renew at {url}: bad answer: {e}")))
         } else {
-            let e: ApiError = resp.json().await.unwrap_or_else(|_| {
-                ApiError::new("lease", format!("renew at {url}: HTTP {status}"))
+            let mut e: ApiError = resp.json().await.unwrap_or_else(|_| {
+                ApiError::new(ErrorKind::Lease, format!("renew at {url}: HTTP {status}"))
             });
+            e.origin.get_or_insert(ErrorOrigin::Peer);
             Err(e)
         }
     }
@@ -752,7 +756,7 @@ impl Agent {
     ) -> Result<(), ApiError> {
         self.engine(engine_id)?
             .notify(peer_engine_id, owner_request_id, count)
-            .map_err(|e| ApiError::new("dataplane", e.to_string()))
+            .map_err(|e| dataplane_error(&e))
     }
 
     fn push_event(&self, engine_id: &str, ev: EngineEvent) {
@@ -782,7 +786,7 @@ impl Agent {
                 let mut m = self.events.lock().unwrap();
                 let Some(q) = m.get_mut(engine_id) else {
                     return Err(ApiError::new(
-                        "unknown_engine",
+                        ErrorKind::UnknownEngine,
                         format!("engine_id `{engine_id}` is not registered with this agent"),
                     ));
                 };
@@ -823,7 +827,7 @@ impl Agent {
             .lock()
             .unwrap()
             .record_prefill(engine_id, s)
-            .map_err(|e| ApiError::new("bad_request", e.to_string()))
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
     }
 
     /// Explanation of a pair: rendered text and JSON.
@@ -835,7 +839,7 @@ impl Agent {
         let m = self.model.lock().unwrap();
         let ex = m.explain(p, d, now).ok_or_else(|| {
             ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 format!("pair `{p},{d}`: not configured on this agent (pairs[] of the config)"),
             )
         })?;
@@ -906,11 +910,40 @@ impl Agent {
 /// holds the blocks (the owner keeps them and evicts another request).
 fn lease_err(e: LeaseError) -> ApiError {
     let kind = if matches!(e, LeaseError::InUse { .. }) {
-        "lease_in_use"
+        ErrorKind::LeaseInUse
     } else {
-        "lease"
+        ErrorKind::Lease
     };
     ApiError::new(kind, e.to_string())
+}
+
+/// A dataplane failure as the local API reports it: the finer kind, where
+/// it came from ([`kvloop_dataplane::DataplaneError::source_kind`]) and
+/// whether sending the request again is safe
+/// ([`kvloop_dataplane::DataplaneError::retry_safe`]).
+pub fn dataplane_error(e: &kvloop_dataplane::DataplaneError) -> ApiError {
+    use kvloop_dataplane::DataplaneError as D;
+    let kind = match e {
+        D::BlockOutOfRange { .. } | D::DuplicateLocalBlock { .. } => ErrorKind::BlockRange,
+        D::BlockQuarantined { .. } => ErrorKind::BlockQuarantined,
+        D::UnknownPeer { .. } => ErrorKind::UnknownPeer,
+        D::LayoutMismatch { .. } => ErrorKind::LayoutMismatch,
+        D::Handshake { .. } => ErrorKind::Handshake,
+        D::Timeout { .. } => ErrorKind::Timeout,
+        D::PeerGone { .. } => ErrorKind::PeerGone,
+        D::Backend { .. } | D::NixlUnavailable(_) => ErrorKind::Backend,
+        D::Config { .. } => ErrorKind::BadRequest,
+        D::Shutdown => ErrorKind::Internal,
+        D::Protocol { .. } | D::Io { .. } => ErrorKind::Dataplane,
+    };
+    let origin = match e.source_kind() {
+        kvloop_dataplane::ErrorSource::Local => ErrorOrigin::Local,
+        kvloop_dataplane::ErrorSource::Peer => ErrorOrigin::Peer,
+        kvloop_dataplane::ErrorSource::Backend => ErrorOrigin::Backend,
+    };
+    ApiError::new(kind, e.to_string())
+        .with_origin(origin)
+        .retry_safe(e.retry_safe())
 }
 
 /// A READ checked against the owner's lease may only name blocks the lease
@@ -927,7 +960,7 @@ fn lease_covers(lease: &LeaseInfo, blocks: &[kvloop_dataplane::BlockPair]) -> Re
     {
         None => Ok(()),
         Some((i, b)) => Err(ApiError::new(
-            "lease",
+            ErrorKind::Lease,
             format!(
                 "blocks[{i}].remote = {}: not retained under request `{}` of engine `{}` (it retains {} blocks)",
                 b.remote,
@@ -943,6 +976,28 @@ fn lease_covers(lease: &LeaseInfo, blocks: &[kvloop_dataplane::BlockPair]) -> Re
 mod tests {
     use super::*;
     use kvloop_dataplane::BlockPair;
+
+    #[test]
+    fn dataplane_errors_keep_their_kind_origin_and_retry_safety() {
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::UnknownPeer {
+            engine_id: "d0".into(),
+        });
+        assert_eq!(e.kind, ErrorKind::UnknownPeer);
+        assert_eq!((e.origin, e.retry_safe), (Some(ErrorOrigin::Local), false));
+        assert!(e.message.contains("d0"), "{e}");
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::Timeout {
+            xfer_id: 3,
+            engine_id: "d0".into(),
+            timeout_ms: 50,
+        });
+        assert_eq!(e.kind, ErrorKind::Timeout);
+        assert_eq!((e.origin, e.retry_safe), (Some(ErrorOrigin::Backend), true));
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::PeerGone {
+            engine_id: "d0".into(),
+            reason: "closed".into(),
+        });
+        assert_eq!((e.kind, e.origin), (ErrorKind::PeerGone, Some(ErrorOrigin::Peer)));
+    }
 
     #[test]
     fn a_checked_read_names_only_retained_blocks() {

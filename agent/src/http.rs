@@ -22,7 +22,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
 use crate::agent::{Agent, EnginesInfo};
-use crate::proto::ApiError;
+use crate::proto::{ApiError, ErrorKind};
 
 /// Version of the agent-to-agent API; requests carrying another are refused.
 pub const API_VERSION: u32 = 1;
@@ -99,7 +99,7 @@ async fn renew(
             );
             return err(
                 e.status(),
-                ApiError::new("bad_request", format!("body: {}", e.body_text())),
+                ApiError::new(ErrorKind::BadRequest, format!("body: {}", e.body_text())),
             );
         }
     };
@@ -112,7 +112,7 @@ async fn renew(
             );
             return err(
                 StatusCode::BAD_REQUEST,
-                ApiError::new("bad_request", format!("body: {e}")),
+                ApiError::new(ErrorKind::BadRequest, format!("body: {e}")),
             );
         }
     };
@@ -120,7 +120,7 @@ async fn renew(
         return err(
             StatusCode::BAD_REQUEST,
             ApiError::new(
-                "version",
+                ErrorKind::Version,
                 format!("version: agent speaks {API_VERSION}, got {}", r.version),
             ),
         );
@@ -154,7 +154,7 @@ pub fn parse_pair(s: &str) -> Result<(String, String), String> {
 async fn explain(State(s): State<Arc<HttpState>>, q: Query<PairQuery>) -> Response {
     let (p, d) = match parse_pair(&q.pair) {
         Ok(x) => x,
-        Err(m) => return err(StatusCode::BAD_REQUEST, ApiError::new("bad_request", m)),
+        Err(m) => return err(StatusCode::BAD_REQUEST, ApiError::new(ErrorKind::BadRequest, m)),
     };
     match s.agent.explain(&p, &d) {
         Ok((text, explain)) => {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::Agent;
-use crate::proto::{ApiError, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json};
+use crate::proto::{ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json};
 
 /// Whether a peer with `peer_uid` may use an agent running as `own_uid`.
 pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
@@ -60,7 +60,7 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
                 let _ = send_json(
                     &sock,
                     &Response::Err(ApiError::new(
-                        "forbidden",
+                        ErrorKind::Forbidden,
                         format!(
                             "uid {} may not use this agent (only uid {own_uid} or root)",
                             c.uid()
@@ -90,7 +90,7 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     // The framing is lost: say why in one last frame.
                     let _ = send_json(
                         &sock,
-                        &Response::Err(ApiError::new("bad_request", format!("frame: {e}"))),
+                        &Response::Err(ApiError::new(ErrorKind::BadRequest, format!("frame: {e}"))),
                         &[],
                     )
                     .await;
@@ -153,7 +153,7 @@ async fn serve_conn(
                     peer,
                     &format!("a frame of {} bytes is not a request: {e}", body.len()),
                 );
-                Response::Err(ApiError::new("bad_request", format!("request: {e}")))
+                Response::Err(ApiError::new(ErrorKind::BadRequest, format!("request: {e}")))
             }
         };
         send_json(sock, &resp, &[]).await?;
@@ -245,7 +245,7 @@ pub async fn handle(
             Ok(())
         } else {
             Err(ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 "fds: only `register` carries file descriptors",
             ))
         }
@@ -257,7 +257,7 @@ pub async fn handle(
         Request::Hello { version, client } => {
             if version != PROTOCOL_VERSION {
                 return Err(ApiError::new(
-                    "version",
+                    ErrorKind::Version,
                     format!(
                         "version: agent speaks {PROTOCOL_VERSION}, client `{client}` speaks {version}"
                     ),
@@ -288,7 +288,7 @@ pub async fn handle(
                 Ok(Reply::Done)
             } else {
                 Err(ApiError::new(
-                    "unknown_engine",
+                    ErrorKind::UnknownEngine,
                     format!("engine_id `{engine_id}` is not registered"),
                 ))
             }

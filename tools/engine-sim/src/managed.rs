@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 pub use kvloop_agent_api::client::{AgentClient, ClientError};
+pub use kvloop_agent_api::proto::ErrorKind;
 use kvloop_agent_api::proto::{EngineEvent, ReadDirection};
 use kvloop_agent_api::reconnect::{Backoff, ReconnectError, connect_with_backoff};
 use kvloop_dataplane::{HostRegion, KvLayout};
@@ -447,7 +448,7 @@ impl Registration {
             .link
             .with(async |c| c.release(&self.state.engine_id, request_id).await)
             .await;
-        if r.is_ok() || matches!(&r, Err(ClientError::Api(e)) if e.kind == "lease") {
+        if r.is_ok() || matches!(&r, Err(ClientError::Api(e)) if e.kind == ErrorKind::Lease) {
             self.state.forget_retained(request_id);
         }
         r
@@ -508,7 +509,7 @@ pub async fn run_events(
             Err(e) => e,
         };
         let lost = e.is_connection_lost()
-            || matches!(&e, ClientError::Api(a) if a.kind == "unknown_engine");
+            || matches!(&e, ClientError::Api(a) if a.kind == ErrorKind::UnknownEngine);
         let Some(st) = link.registration_state(&engine_id).filter(|_| lost) else {
             return Err(e);
         };
@@ -616,37 +617,55 @@ impl AgentTransfer {
     }
 }
 
+impl AgentTransfer {
+    /// One managed READ of `req` (lease checked, owner notified).
+    async fn read_once(
+        &self,
+        req: &ReadRequest,
+        blocks: Vec<kvloop_dataplane::BlockPair>,
+    ) -> Result<(), ClientError> {
+        let engine_id = self.reg.engine_id();
+        self.reg
+            .link
+            .with(async |c| {
+                c.read(
+                    engine_id,
+                    &req.remote_engine_id,
+                    blocks,
+                    self.direction,
+                    Some((&req.remote_request_id, 1)),
+                    true,
+                    Some(self.read_timeout_ms),
+                )
+                .await
+                .map(|_| ())
+            })
+            .await
+    }
+}
+
 impl KvTransfer for AgentTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
             let blocks = req.block_pairs()?;
             self.ensure_connected(&req).await?;
-            let engine_id = self.reg.engine_id();
-            let r = self
-                .reg
-                .link
-                .with(async |c| {
-                    c.read(
-                        engine_id,
-                        &req.remote_engine_id,
-                        blocks,
-                        self.direction,
-                        Some((&req.remote_request_id, 1)),
-                        true,
-                        Some(self.read_timeout_ms),
-                    )
-                    .await
-                })
-                .await;
+            let mut r = self.read_once(&req, blocks.clone()).await;
+            if matches!(&r, Err(ClientError::Api(e)) if e.kind == ErrorKind::UnknownPeer) {
+                // The agent's connection to the owner closed (the owner's
+                // agent restarted): nothing was posted; connect and READ again.
+                self.connected.lock().await.1.remove(&req.remote_engine_id);
+                self.ensure_connected(&req).await?;
+                r = self.read_once(&req, blocks).await;
+            }
             match r {
-                Ok(_) => Ok(req.num_tokens),
-                Err(ClientError::Api(e)) if e.kind == "lease" => {
+                Ok(()) => Ok(req.num_tokens),
+                Err(ClientError::Api(e)) if e.kind == ErrorKind::Lease => {
                     Err(TransferError::Declined(e.to_string()))
                 }
                 Err(e) => {
                     // The owner may have restarted (new layout, new side
                     // channel): connect afresh next time.
-                    if !matches!(&e, ClientError::Api(a) if a.kind == "bad_request") {
+                    if !matches!(&e, ClientError::Api(a) if a.kind == ErrorKind::BadRequest) {
                         self.connected.lock().await.1.remove(&req.remote_engine_id);
                     }
                     if let ClientError::Io(_) = e {
