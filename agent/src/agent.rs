@@ -337,7 +337,10 @@ impl Agent {
                 let mut v = Vec::with_capacity(fds.len());
                 for (i, (fd, len)) in fds.into_iter().zip(len_bytes).enumerate() {
                     let r = HostRegion::from_fd(fd, len as usize).map_err(|e| {
-                        ApiError::new(ErrorKind::BadRequest, format!("regions.len_bytes[{i}]: {e}"))
+                        ApiError::new(
+                            ErrorKind::BadRequest,
+                            format!("regions.len_bytes[{i}]: {e}"),
+                        )
                     })?;
                     v.push(r);
                 }
@@ -459,10 +462,7 @@ impl Agent {
     /// `unknown_engine`, `dataplane`.
     pub async fn connect(&self, engine_id: &str, remote: SocketAddr) -> Result<String, ApiError> {
         let e = self.engine(engine_id)?;
-        let md = e
-            .connect(remote)
-            .await
-            .map_err(|e| dataplane_error(&e))?;
+        let md = e.connect(remote).await.map_err(|e| dataplane_error(&e))?;
         Ok(md.engine_id)
     }
 
@@ -656,7 +656,10 @@ impl Agent {
         };
         let http = self.peers.read().unwrap().get(&peer).and_then(|p| p.http);
         let http = http.ok_or_else(|| {
-            ApiError::new(ErrorKind::Internal, format!("peer `{peer}` has no HTTP address"))
+            ApiError::new(
+                ErrorKind::Internal,
+                format!("peer `{peer}` has no HTTP address"),
+            )
         })?;
         let url = format!("http://{http}/v1/leases/renew");
         let body = crate::http::RenewRequest {
@@ -665,21 +668,15 @@ impl Agent {
             request_id: request_id.into(),
             lease_ms,
         };
-        let resp = self
-            .http
-            .post(&url)
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| {
-                ApiError::new(ErrorKind::Lease, format!("renew at {url}: {e}"))
-                    .with_origin(ErrorOrigin::Peer)
-            })?;
+        let resp = self.http.post(&url).json(&body).send().await.map_err(|e| {
+            ApiError::new(ErrorKind::Lease, format!("renew at {url}: {e}"))
+                .with_origin(ErrorOrigin::Peer)
+        })?;
         let status = resp.status();
         if status.is_success() {
-            resp.json::<LeaseInfo>()
-                .await
-                .map_err(|e| ApiError::new(ErrorKind::Lease, format!("renew at {url}: bad answer: {e}")))
+            resp.json::<LeaseInfo>().await.map_err(|e| {
+                ApiError::new(ErrorKind::Lease, format!("renew at {url}: bad answer: {e}"))
+            })
         } else {
             let mut e: ApiError = resp.json().await.unwrap_or_else(|_| {
                 ApiError::new(ErrorKind::Lease, format!("renew at {url}: HTTP {status}"))
@@ -996,7 +993,10 @@ mod tests {
             engine_id: "d0".into(),
             reason: "closed".into(),
         });
-        assert_eq!((e.kind, e.origin), (ErrorKind::PeerGone, Some(ErrorOrigin::Peer)));
+        assert_eq!(
+            (e.kind, e.origin),
+            (ErrorKind::PeerGone, Some(ErrorOrigin::Peer))
+        );
     }
 
     #[test]

@@ -154,7 +154,12 @@ pub fn parse_pair(s: &str) -> Result<(String, String), String> {
 async fn explain(State(s): State<Arc<HttpState>>, q: Query<PairQuery>) -> Response {
     let (p, d) = match parse_pair(&q.pair) {
         Ok(x) => x,
-        Err(m) => return err(StatusCode::BAD_REQUEST, ApiError::new(ErrorKind::BadRequest, m)),
+        Err(m) => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                ApiError::new(ErrorKind::BadRequest, m),
+            );
+        }
     };
     match s.agent.explain(&p, &d) {
         Ok((text, explain)) => {

@@ -18,7 +18,9 @@ use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::Agent;
-use crate::proto::{ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json};
+use crate::proto::{
+    ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json,
+};
 
 /// Whether a peer with `peer_uid` may use an agent running as `own_uid`.
 pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
@@ -153,7 +155,10 @@ async fn serve_conn(
                     peer,
                     &format!("a frame of {} bytes is not a request: {e}", body.len()),
                 );
-                Response::Err(ApiError::new(ErrorKind::BadRequest, format!("request: {e}")))
+                Response::Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("request: {e}"),
+                ))
             }
         };
         send_json(sock, &resp, &[]).await?;
