@@ -29,6 +29,7 @@ use crate::config::AgentConfig;
 use crate::lease::{LeaseError, LeaseInfo, LeaseTable, Released};
 use crate::metrics::{Metrics, labels};
 use crate::proto::{ApiError, EngineEvent, ErrorKind, ErrorOrigin, ReadDirection, RegionSource};
+use crate::pulls::{AlarmChange, PullOutcome};
 
 /// Prefix of the probe engine's id: `probe.<agent_id>`.
 pub const PROBE_ENGINE_PREFIX: &str = "probe.";
@@ -122,6 +123,8 @@ pub struct Agent {
     /// and labelled `source="userspace"`.
     pub reads_timed_in_kernel: bool,
     next_generation: AtomicU64,
+    /// Consecutive unread pulls per (reader, owner) pair.
+    pulls: Mutex<crate::pulls::PullTracker>,
 }
 
 pub use crate::config::is_own_peer_entry;
@@ -223,6 +226,7 @@ impl Agent {
             push_now: Notify::new(),
             reads_timed_in_kernel,
             next_generation: AtomicU64::new(1),
+            pulls: Mutex::new(crate::pulls::PullTracker::default()),
         }))
     }
 
@@ -503,6 +507,7 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "declined")]))
                     .inc();
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Declined(err.kind));
                 return Err(err);
             }
         }
@@ -521,6 +526,7 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "ok")]))
                     .inc();
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Read);
                 self.metrics
                     .read_bytes
                     .get_or_create(&labels(&[("direction", dir_label)]))
@@ -538,8 +544,41 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "error")]))
                     .inc();
-                Err(dataplane_error(&err))
+                let err = dataplane_error(&err);
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Failed(err.kind));
+                Err(err)
             }
+        }
+    }
+
+    /// Counts a pull of `owner`'s blocks by `reader` and raises or clears
+    /// the pair's alarm (`kvloop_agent_pull_alarm`, a warning when raised).
+    fn record_pull(&self, reader: &str, owner: &str, outcome: PullOutcome) {
+        self.metrics
+            .pulls
+            .get_or_create(&labels(&[
+                ("reader", reader),
+                ("owner", owner),
+                ("result", outcome.result_label()),
+                ("reason", outcome.reason_label()),
+            ]))
+            .inc();
+        let change = self.pulls.lock().unwrap().record(reader, owner, outcome);
+        let alarm = self
+            .metrics
+            .pull_alarm
+            .get_or_create(&labels(&[("reader", reader), ("owner", owner)]));
+        match change {
+            AlarmChange::Raised(n) => {
+                alarm.set(1);
+                tracing::warn!(reader, owner, unread = n, last = ?outcome,
+                               "pulls of this pair keep failing: every turn recomputes");
+            }
+            AlarmChange::Cleared => {
+                alarm.set(0);
+                tracing::info!(reader, owner, "pulls of this pair read again");
+            }
+            AlarmChange::Unchanged => {}
         }
     }
 

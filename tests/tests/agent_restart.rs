@@ -183,6 +183,15 @@ async fn post(url: &str, body: Value) -> Value {
     r.json().await.unwrap()
 }
 
+async fn metrics(a: &Agent) -> String {
+    reqwest::get(format!("http://{}/metrics", a.http))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 fn prompt(tag: &str) -> String {
     (0..300)
         .map(|i| format!("{tag}word{i}::x"))
@@ -234,9 +243,23 @@ async fn engines_register_again_after_their_agent_is_killed_and_restarted() {
     b.start();
     b.wait_lists("d0").await;
 
-    // The old params: declined (no lease at the new agent B), recomputed.
-    let r = post(&format!("{}/v1/completions", p.url()), next_turn(&p1, &dr)).await;
-    assert_eq!(r["kvloop_sim"]["reused_tokens"], 0, "{r}");
+    // The old params: declined (no lease at the new agent B), recomputed;
+    // five in a row raise the pair's alarm at P's agent (issue 12 item 7).
+    for _ in 0..5 {
+        let r = post(&format!("{}/v1/completions", p.url()), next_turn(&p1, &dr)).await;
+        assert_eq!(r["kvloop_sim"]["reused_tokens"], 0, "{r}");
+    }
+    let m = metrics(&a).await;
+    assert!(
+        m.contains(
+            r#"kvloop_agent_pulls_total{reader="p0",owner="d0",result="declined",reason="lease"} 5"#
+        ),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"kvloop_agent_pull_alarm{reader="p0",owner="d0"} 1"#),
+        "{m}"
+    );
 
     // New conversations pull again: D→P, then P→D.
     let p2 = prompt("two");
@@ -256,6 +279,15 @@ async fn engines_register_again_after_their_agent_is_killed_and_restarted() {
         .as_u64()
         .unwrap();
     assert_eq!(r["kvloop_sim"]["reused_tokens"], held, "{r}");
+    let m = metrics(&a).await;
+    assert!(
+        m.contains(r#"kvloop_agent_pull_alarm{reader="p0",owner="d0"} 0"#),
+        "a pull that reads clears the alarm: {m}"
+    );
+    assert!(
+        m.contains(r#"kvloop_agent_pulls_total{reader="p0",owner="d0",result="read",reason=""} 1"#),
+        "{m}"
+    );
 
     let p3 = prompt("three");
     let pr = post(
