@@ -28,7 +28,8 @@ use tokio::sync::Notify;
 use crate::config::AgentConfig;
 use crate::lease::{LeaseError, LeaseInfo, LeaseTable, Released};
 use crate::metrics::{Metrics, labels};
-use crate::proto::{ApiError, EngineEvent, ReadDirection, RegionSource};
+use crate::proto::{ApiError, EngineEvent, ErrorKind, ErrorOrigin, ReadDirection, RegionSource};
+use crate::pulls::{AlarmChange, PullOutcome};
 
 /// Prefix of the probe engine's id: `probe.<agent_id>`.
 pub const PROBE_ENGINE_PREFIX: &str = "probe.";
@@ -122,21 +123,11 @@ pub struct Agent {
     /// and labelled `source="userspace"`.
     pub reads_timed_in_kernel: bool,
     next_generation: AtomicU64,
+    /// Consecutive unread pulls per (reader, owner) pair.
+    pulls: Mutex<crate::pulls::PullTracker>,
 }
 
-/// Whether a `peers[]` entry is this agent itself: same name as `agent_id`,
-/// or its HTTP address is this agent's `http_listen` (or `node_addr` with
-/// the `http_listen` port, for a wildcard listen address).
-pub fn is_own_peer_entry(cfg: &AgentConfig, p: &crate::config::PeerConfig) -> bool {
-    if p.name == cfg.agent_id {
-        return true;
-    }
-    let own = cfg.http_listen;
-    p.http == own
-        || (p.http.port() == own.port()
-            && (p.http.ip() == cfg.node_addr
-                || (own.ip().is_unspecified() && p.http.ip().is_loopback())))
-}
+pub use crate::config::is_own_peer_entry;
 
 impl Agent {
     /// Builds the agent: cost model with the configured pairs, probe engine.
@@ -235,6 +226,7 @@ impl Agent {
             push_now: Notify::new(),
             reads_timed_in_kernel,
             next_generation: AtomicU64::new(1),
+            pulls: Mutex::new(crate::pulls::PullTracker::default()),
         }))
     }
 
@@ -297,7 +289,7 @@ impl Agent {
             .map(|h| h.engine.clone())
             .ok_or_else(|| {
                 ApiError::new(
-                    "unknown_engine",
+                    ErrorKind::UnknownEngine,
                     format!("engine_id `{engine_id}` is not registered with this agent"),
                 )
             })
@@ -319,7 +311,7 @@ impl Agent {
     ) -> Result<(SocketAddr, String, u64), ApiError> {
         if engine_id.starts_with(PROBE_ENGINE_PREFIX) {
             return Err(ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 format!(
                     "engine_id: `{PROBE_ENGINE_PREFIX}*` is reserved for the agent's probe engine"
                 ),
@@ -327,12 +319,17 @@ impl Agent {
         }
         layout
             .validate()
-            .map_err(|e| ApiError::new("bad_request", e.to_string()))?;
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+        // Params naming a side channel peers cannot reach would make every
+        // reader decline and recompute, silently: refuse instead.
+        self.cfg
+            .check_side_channel_reachable()
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("side channel: {e}")))?;
         let host = match regions {
             RegionSource::Memfd { len_bytes } => {
                 if fds.len() != layout.num_regions as usize || len_bytes.len() != fds.len() {
                     return Err(ApiError::new(
-                        "bad_request",
+                        ErrorKind::BadRequest,
                         format!(
                             "regions.len_bytes / fds: expected {} of each (layout.num_regions), got {} lengths and {} fds",
                             layout.num_regions,
@@ -344,7 +341,10 @@ impl Agent {
                 let mut v = Vec::with_capacity(fds.len());
                 for (i, (fd, len)) in fds.into_iter().zip(len_bytes).enumerate() {
                     let r = HostRegion::from_fd(fd, len as usize).map_err(|e| {
-                        ApiError::new("bad_request", format!("regions.len_bytes[{i}]: {e}"))
+                        ApiError::new(
+                            ErrorKind::BadRequest,
+                            format!("regions.len_bytes[{i}]: {e}"),
+                        )
                     })?;
                     v.push(r);
                 }
@@ -352,7 +352,7 @@ impl Agent {
             }
             RegionSource::CudaIpc { .. } => {
                 return Err(ApiError::new(
-                    "bad_request",
+                    ErrorKind::BadRequest,
                     crate::cuda::unsupported_message(),
                 ));
             }
@@ -369,7 +369,7 @@ impl Agent {
         self.unregister(&engine_id);
         let engine = TransferEngine::start(ecfg, host)
             .await
-            .map_err(|e| ApiError::new("dataplane", e.to_string()))?;
+            .map_err(|e| dataplane_error(&e))?;
         let addr = engine.side_channel_addr();
         let backend = engine.backend_name();
         let mut rx = engine.subscribe_notifications();
@@ -466,10 +466,7 @@ impl Agent {
     /// `unknown_engine`, `dataplane`.
     pub async fn connect(&self, engine_id: &str, remote: SocketAddr) -> Result<String, ApiError> {
         let e = self.engine(engine_id)?;
-        let md = e
-            .connect(remote)
-            .await
-            .map_err(|e| ApiError::new("dataplane", e.to_string()))?;
+        let md = e.connect(remote).await.map_err(|e| dataplane_error(&e))?;
         Ok(md.engine_id)
     }
 
@@ -496,7 +493,7 @@ impl Agent {
         if check_lease {
             let req = notify.as_ref().ok_or_else(|| {
                 ApiError::new(
-                    "bad_request",
+                    ErrorKind::BadRequest,
                     "notify: check_lease needs notify.owner_request_id (the owner's request)",
                 )
             })?;
@@ -510,6 +507,7 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "declined")]))
                     .inc();
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Declined(err.kind));
                 return Err(err);
             }
         }
@@ -528,6 +526,7 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "ok")]))
                     .inc();
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Read);
                 self.metrics
                     .read_bytes
                     .get_or_create(&labels(&[("direction", dir_label)]))
@@ -545,8 +544,41 @@ impl Agent {
                     .reads
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "error")]))
                     .inc();
-                Err(ApiError::new("dataplane", err.to_string()))
+                let err = dataplane_error(&err);
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Failed(err.kind));
+                Err(err)
             }
+        }
+    }
+
+    /// Counts a pull of `owner`'s blocks by `reader` and raises or clears
+    /// the pair's alarm (`kvloop_agent_pull_alarm`, a warning when raised).
+    fn record_pull(&self, reader: &str, owner: &str, outcome: PullOutcome) {
+        self.metrics
+            .pulls
+            .get_or_create(&labels(&[
+                ("reader", reader),
+                ("owner", owner),
+                ("result", outcome.result_label()),
+                ("reason", outcome.reason_label()),
+            ]))
+            .inc();
+        let change = self.pulls.lock().unwrap().record(reader, owner, outcome);
+        let alarm = self
+            .metrics
+            .pull_alarm
+            .get_or_create(&labels(&[("reader", reader), ("owner", owner)]));
+        match change {
+            AlarmChange::Raised(n) => {
+                alarm.set(1);
+                tracing::warn!(reader, owner, unread = n, last = ?outcome,
+                               "pulls of this pair keep failing: every turn recomputes");
+            }
+            AlarmChange::Cleared => {
+                alarm.set(0);
+                tracing::info!(reader, owner, "pulls of this pair read again");
+            }
+            AlarmChange::Unchanged => {}
         }
     }
 
@@ -617,7 +649,7 @@ impl Agent {
         let nb = e.layout().num_blocks as u64;
         if let Some((i, b)) = block_ids.iter().enumerate().find(|(_, b)| **b >= nb) {
             return Err(ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 format!("block_ids[{i}] = {b}: expected a block id below {nb} (layout.num_blocks)"),
             ));
         }
@@ -655,7 +687,7 @@ impl Agent {
                 crate::tasks::refresh_peers(self).await;
                 self.peer_of_engine(owner_engine_id).ok_or_else(|| {
                     ApiError::new(
-                        "unknown_engine",
+                        ErrorKind::UnknownEngine,
                         format!("peer_engine_id `{owner_engine_id}`: no known agent hosts it (peers[] of the config)"),
                     )
                 })?
@@ -663,7 +695,10 @@ impl Agent {
         };
         let http = self.peers.read().unwrap().get(&peer).and_then(|p| p.http);
         let http = http.ok_or_else(|| {
-            ApiError::new("internal", format!("peer `{peer}` has no HTTP address"))
+            ApiError::new(
+                ErrorKind::Internal,
+                format!("peer `{peer}` has no HTTP address"),
+            )
         })?;
         let url = format!("http://{http}/v1/leases/renew");
         let body = crate::http::RenewRequest {
@@ -672,22 +707,20 @@ impl Agent {
             request_id: request_id.into(),
             lease_ms,
         };
-        let resp = self
-            .http
-            .post(&url)
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| ApiError::new("lease", format!("renew at {url}: {e}")))?;
+        let resp = self.http.post(&url).json(&body).send().await.map_err(|e| {
+            ApiError::new(ErrorKind::Lease, format!("renew at {url}: {e}"))
+                .with_origin(ErrorOrigin::Peer)
+        })?;
         let status = resp.status();
         if status.is_success() {
-            resp.json::<LeaseInfo>()
-                .await
-                .map_err(|e| ApiError::new("lease", format!("renew at {url}: bad answer: {e}")))
+            resp.json::<LeaseInfo>().await.map_err(|e| {
+                ApiError::new(ErrorKind::Lease, format!("renew at {url}: bad answer: {e}"))
+            })
         } else {
-            let e: ApiError = resp.json().await.unwrap_or_else(|_| {
-                ApiError::new("lease", format!("renew at {url}: HTTP {status}"))
+            let mut e: ApiError = resp.json().await.unwrap_or_else(|_| {
+                ApiError::new(ErrorKind::Lease, format!("renew at {url}: HTTP {status}"))
             });
+            e.origin.get_or_insert(ErrorOrigin::Peer);
             Err(e)
         }
     }
@@ -759,7 +792,7 @@ impl Agent {
     ) -> Result<(), ApiError> {
         self.engine(engine_id)?
             .notify(peer_engine_id, owner_request_id, count)
-            .map_err(|e| ApiError::new("dataplane", e.to_string()))
+            .map_err(|e| dataplane_error(&e))
     }
 
     fn push_event(&self, engine_id: &str, ev: EngineEvent) {
@@ -789,7 +822,7 @@ impl Agent {
                 let mut m = self.events.lock().unwrap();
                 let Some(q) = m.get_mut(engine_id) else {
                     return Err(ApiError::new(
-                        "unknown_engine",
+                        ErrorKind::UnknownEngine,
                         format!("engine_id `{engine_id}` is not registered with this agent"),
                     ));
                 };
@@ -830,7 +863,7 @@ impl Agent {
             .lock()
             .unwrap()
             .record_prefill(engine_id, s)
-            .map_err(|e| ApiError::new("bad_request", e.to_string()))
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
     }
 
     /// Explanation of a pair: rendered text and JSON.
@@ -842,7 +875,7 @@ impl Agent {
         let m = self.model.lock().unwrap();
         let ex = m.explain(p, d, now).ok_or_else(|| {
             ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 format!("pair `{p},{d}`: not configured on this agent (pairs[] of the config)"),
             )
         })?;
@@ -913,11 +946,40 @@ impl Agent {
 /// holds the blocks (the owner keeps them and evicts another request).
 fn lease_err(e: LeaseError) -> ApiError {
     let kind = if matches!(e, LeaseError::InUse { .. }) {
-        "lease_in_use"
+        ErrorKind::LeaseInUse
     } else {
-        "lease"
+        ErrorKind::Lease
     };
     ApiError::new(kind, e.to_string())
+}
+
+/// A dataplane failure as the local API reports it: the finer kind, where
+/// it came from ([`kvloop_dataplane::DataplaneError::source_kind`]) and
+/// whether sending the request again is safe
+/// ([`kvloop_dataplane::DataplaneError::retry_safe`]).
+pub fn dataplane_error(e: &kvloop_dataplane::DataplaneError) -> ApiError {
+    use kvloop_dataplane::DataplaneError as D;
+    let kind = match e {
+        D::BlockOutOfRange { .. } | D::DuplicateLocalBlock { .. } => ErrorKind::BlockRange,
+        D::BlockQuarantined { .. } => ErrorKind::BlockQuarantined,
+        D::UnknownPeer { .. } => ErrorKind::UnknownPeer,
+        D::LayoutMismatch { .. } => ErrorKind::LayoutMismatch,
+        D::Handshake { .. } => ErrorKind::Handshake,
+        D::Timeout { .. } => ErrorKind::Timeout,
+        D::PeerGone { .. } => ErrorKind::PeerGone,
+        D::Backend { .. } | D::NixlUnavailable(_) => ErrorKind::Backend,
+        D::Config { .. } => ErrorKind::BadRequest,
+        D::Shutdown => ErrorKind::Internal,
+        D::Protocol { .. } | D::Io { .. } => ErrorKind::Dataplane,
+    };
+    let origin = match e.source_kind() {
+        kvloop_dataplane::ErrorSource::Local => ErrorOrigin::Local,
+        kvloop_dataplane::ErrorSource::Peer => ErrorOrigin::Peer,
+        kvloop_dataplane::ErrorSource::Backend => ErrorOrigin::Backend,
+    };
+    ApiError::new(kind, e.to_string())
+        .with_origin(origin)
+        .retry_safe(e.retry_safe())
 }
 
 /// A READ checked against the owner's lease may only name blocks the lease
@@ -934,7 +996,7 @@ fn lease_covers(lease: &LeaseInfo, blocks: &[kvloop_dataplane::BlockPair]) -> Re
     {
         None => Ok(()),
         Some((i, b)) => Err(ApiError::new(
-            "lease",
+            ErrorKind::Lease,
             format!(
                 "blocks[{i}].remote = {}: not retained under request `{}` of engine `{}` (it retains {} blocks)",
                 b.remote,
@@ -950,6 +1012,31 @@ fn lease_covers(lease: &LeaseInfo, blocks: &[kvloop_dataplane::BlockPair]) -> Re
 mod tests {
     use super::*;
     use kvloop_dataplane::BlockPair;
+
+    #[test]
+    fn dataplane_errors_keep_their_kind_origin_and_retry_safety() {
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::UnknownPeer {
+            engine_id: "d0".into(),
+        });
+        assert_eq!(e.kind, ErrorKind::UnknownPeer);
+        assert_eq!((e.origin, e.retry_safe), (Some(ErrorOrigin::Local), false));
+        assert!(e.message.contains("d0"), "{e}");
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::Timeout {
+            xfer_id: 3,
+            engine_id: "d0".into(),
+            timeout_ms: 50,
+        });
+        assert_eq!(e.kind, ErrorKind::Timeout);
+        assert_eq!((e.origin, e.retry_safe), (Some(ErrorOrigin::Backend), true));
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::PeerGone {
+            engine_id: "d0".into(),
+            reason: "closed".into(),
+        });
+        assert_eq!(
+            (e.kind, e.origin),
+            (ErrorKind::PeerGone, Some(ErrorOrigin::Peer))
+        );
+    }
 
     #[test]
     fn a_checked_read_names_only_retained_blocks() {

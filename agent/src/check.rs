@@ -1,7 +1,7 @@
 //! `kvloop-agent --check`: readiness of the parts the agent needs, as JSON.
 //!
 //! `{"ready": bool, "parts": {"backend": {...}, "ebpf": {...},
-//! "privilege": {...}, "socket_dir": {...}}}`; each part has `ok`,
+//! "privilege": {...}, "side_channel": {...}, "socket_dir": {...}}}`; each part has `ok`,
 //! `required` and `detail`. Not ready when a required part is missing: the
 //! backend always; eBPF only with `require_ebpf = true` (otherwise the agent
 //! falls back to user-space timing).
@@ -30,6 +30,23 @@ pub struct Report {
     pub ready: bool,
     /// Parts by name.
     pub parts: std::collections::BTreeMap<String, Part>,
+}
+
+/// Whether peers can reach engines' side channels on `node_addr`
+/// ([`AgentConfig::check_side_channel_reachable`]); required.
+pub fn side_channel_part(cfg: &AgentConfig) -> Part {
+    match cfg.check_side_channel_reachable() {
+        Ok(()) => Part {
+            ok: true,
+            required: true,
+            detail: format!("engines' side channels on {} (node_addr)", cfg.node_addr),
+        },
+        Err(e) => Part {
+            ok: false,
+            required: true,
+            detail: e.to_string(),
+        },
+    }
 }
 
 /// Runs the checks (starts a one-page transfer engine with the configured
@@ -72,6 +89,7 @@ pub async fn run(cfg: &AgentConfig) -> Report {
         },
     };
     parts.insert("backend".into(), backend);
+    parts.insert("side_channel".into(), side_channel_part(cfg));
     let pc = kvloop_probes::ProbeConfig {
         transfer: true,
         prefill: false,

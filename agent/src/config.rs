@@ -393,6 +393,64 @@ impl AgentConfig {
     }
 }
 
+impl AgentConfig {
+    /// Whether peers can reach the side channels of the engines this agent
+    /// hosts: they are bound on `node_addr` and that address is what
+    /// `kv_transfer_params` carry as `remote_host`. Refused: an unspecified
+    /// (`0.0.0.0`, `::`), multicast or broadcast `node_addr`, and a
+    /// loopback `node_addr` while a peer (other than this agent's own
+    /// `peers[]` entry) is on a non-loopback address.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming `node_addr` and the peer that cannot
+    /// reach it.
+    pub fn check_side_channel_reachable(&self) -> Result<(), ConfigError> {
+        let a = self.node_addr;
+        let broadcast = matches!(a, IpAddr::V4(v4) if v4.is_broadcast());
+        if a.is_unspecified() || a.is_multicast() || broadcast {
+            return Err(invalid(
+                "node_addr",
+                format!(
+                    "this node's unicast address (engines' side channels are bound on it and \
+                     named in kv_transfer_params as remote_host), got {a}"
+                ),
+            ));
+        }
+        if a.is_loopback()
+            && let Some((i, p)) = self
+                .peers
+                .iter()
+                .enumerate()
+                .find(|(_, p)| !p.http.ip().is_loopback() && !is_own_peer_entry(self, p))
+        {
+            return Err(invalid(
+                "node_addr",
+                format!(
+                    "an address peers can reach: {a} is a loopback address, but peers[{i}] \
+                     (`{}`) is at {}, so engines' side channels on {a} are unreachable from it",
+                    p.name,
+                    p.http.ip()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether a `peers[]` entry is this agent itself: same name as `agent_id`,
+/// or its HTTP address is this agent's `http_listen` (or `node_addr` with
+/// the `http_listen` port, for a wildcard listen address).
+pub fn is_own_peer_entry(cfg: &AgentConfig, p: &PeerConfig) -> bool {
+    if p.name == cfg.agent_id {
+        return true;
+    }
+    let own = cfg.http_listen;
+    p.http == own
+        || (p.http.port() == own.port()
+            && (p.http.ip() == cfg.node_addr
+                || (own.ip().is_unspecified() && p.http.ip().is_loopback())))
+}
+
 /// The host name, or `"kvloop-agent"`.
 pub fn hostname() -> String {
     nix::unistd::gethostname()
@@ -405,6 +463,57 @@ pub fn hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn with_peers(node_addr: &str, peers: &[(&str, &str)]) -> AgentConfig {
+        let mut c = AgentConfig::from_toml("agent_id = \"a\"").unwrap();
+        c.node_addr = node_addr.parse().unwrap();
+        c.peers = peers
+            .iter()
+            .map(|(n, h)| PeerConfig {
+                name: n.to_string(),
+                http: h.parse().unwrap(),
+                interface: None,
+            })
+            .collect();
+        c
+    }
+
+    #[test]
+    fn a_side_channel_peers_cannot_reach_is_refused_naming_node_addr() {
+        // Everything on loopback (one host): fine; a routable node address: fine.
+        assert!(
+            with_peers("127.0.0.1", &[("b", "127.0.0.1:9471")])
+                .check_side_channel_reachable()
+                .is_ok()
+        );
+        assert!(
+            with_peers("10.0.0.1", &[("b", "10.0.0.2:9470")])
+                .check_side_channel_reachable()
+                .is_ok()
+        );
+        // This agent's own entry on another address does not count.
+        assert!(
+            with_peers("127.0.0.1", &[("a", "10.0.0.1:9470")])
+                .check_side_channel_reachable()
+                .is_ok()
+        );
+        let e = with_peers(
+            "127.0.0.1",
+            &[("b", "127.0.0.1:9471"), ("c", "10.0.0.3:9470")],
+        )
+        .check_side_channel_reachable()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("node_addr"), "{e}");
+        assert!(e.contains("peers[1]") && e.contains("10.0.0.3"), "{e}");
+        for bad in ["0.0.0.0", "::", "224.0.0.1", "255.255.255.255"] {
+            let e = with_peers(bad, &[])
+                .check_side_channel_reachable()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("node_addr") && e.contains(bad), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn defaults_parse_and_unknown_fields_are_named() {

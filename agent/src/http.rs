@@ -22,7 +22,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
 use crate::agent::{Agent, EnginesInfo};
-use crate::proto::ApiError;
+use crate::proto::{ApiError, ErrorKind};
 
 /// Version of the agent-to-agent API; requests carrying another are refused.
 pub const API_VERSION: u32 = 1;
@@ -86,13 +86,33 @@ fn err(code: StatusCode, e: ApiError) -> Response {
     (code, Json(e)).into_response()
 }
 
-async fn renew(State(s): State<Arc<HttpState>>, body: axum::body::Bytes) -> Response {
+async fn renew(
+    State(s): State<Arc<HttpState>>,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            crate::server::garbage_warn(
+                crate::server::Peer::default(),
+                &format!("HTTP POST /v1/leases/renew body refused: {e}"),
+            );
+            return err(
+                e.status(),
+                ApiError::new(ErrorKind::BadRequest, format!("body: {}", e.body_text())),
+            );
+        }
+    };
     let r: RenewRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
+            crate::server::garbage_warn(
+                crate::server::Peer::default(),
+                &format!("HTTP POST /v1/leases/renew body is not a renew request: {e}"),
+            );
             return err(
                 StatusCode::BAD_REQUEST,
-                ApiError::new("bad_request", format!("body: {e}")),
+                ApiError::new(ErrorKind::BadRequest, format!("body: {e}")),
             );
         }
     };
@@ -100,7 +120,7 @@ async fn renew(State(s): State<Arc<HttpState>>, body: axum::body::Bytes) -> Resp
         return err(
             StatusCode::BAD_REQUEST,
             ApiError::new(
-                "version",
+                ErrorKind::Version,
                 format!("version: agent speaks {API_VERSION}, got {}", r.version),
             ),
         );
@@ -134,7 +154,12 @@ pub fn parse_pair(s: &str) -> Result<(String, String), String> {
 async fn explain(State(s): State<Arc<HttpState>>, q: Query<PairQuery>) -> Response {
     let (p, d) = match parse_pair(&q.pair) {
         Ok(x) => x,
-        Err(m) => return err(StatusCode::BAD_REQUEST, ApiError::new("bad_request", m)),
+        Err(m) => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                ApiError::new(ErrorKind::BadRequest, m),
+            );
+        }
     };
     match s.agent.explain(&p, &d) {
         Ok((text, explain)) => {

@@ -7,6 +7,7 @@
 //! * [`lease`]: pure lease table (TTL, reader renewals, safety margin).
 //! * [`tasks`]: peer discovery, active probes, cost model updates,
 //!   threshold pushes, eBPF sample drain.
+//! * [`pulls`]: pull outcomes per engine pair and the failing-pair alarm.
 //! * [`netstate`]: rtnetlink link state, sysfs speed, RDMA counters,
 //!   path invalidation.
 //! * [`http`]: `/metrics`, `/healthz`, agent-to-agent `/v1/` API.
@@ -22,6 +23,7 @@ pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod netstate;
+pub mod pulls;
 pub mod server;
 pub mod tasks;
 

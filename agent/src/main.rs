@@ -162,6 +162,9 @@ fn main() -> anyhow::Result<()> {
 async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
     let probes = load_probes(&cfg).await?;
+    if let Err(e) = cfg.check_side_channel_reachable() {
+        tracing::warn!(error = %e, "engines' side channels unreachable from peers: registrations are refused (see --check)");
+    }
     let agent = Agent::new(cfg.clone(), probes).await?;
     let mut registry = prometheus_client::registry::Registry::default();
     agent.metrics.register(&mut registry);

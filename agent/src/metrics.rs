@@ -6,6 +6,8 @@
 //! | `kvloop_agent_leases` | gauge | | retained requests under a lease |
 //! | `kvloop_agent_reads` | counter | `direction`, `result` | managed READs |
 //! | `kvloop_agent_read_bytes` | counter | `direction` | payload of successful managed READs |
+//! | `kvloop_agent_pulls` | counter | `reader`, `owner`, `result`, `reason` | managed READs per engine pair: `read`, `declined` or `failed`, with the error kind |
+//! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
 //! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `result` | active probe READs |
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |
 //! | `kvloop_agent_path_bandwidth_bytes_per_second` | gauge | `peer` | fitted bandwidth of the inbound path |
@@ -49,6 +51,10 @@ pub struct Metrics {
     pub reads: Family<Labels, Counter>,
     /// Payload of managed READs.
     pub read_bytes: Family<Labels, Counter>,
+    /// Managed READs per (reader, owner) pair, by outcome and reason.
+    pub pulls: Family<Labels, Counter>,
+    /// Pairs whose pulls keep failing.
+    pub pull_alarm: Family<Labels, Gauge>,
     /// Active probe READs.
     pub probe_reads: Family<Labels, Counter>,
     /// Probe rounds skipped by the rate limit.
@@ -104,6 +110,16 @@ impl Metrics {
             "read_bytes",
             "Payload bytes of successful managed READs",
             self.read_bytes.clone(),
+        );
+        r.register(
+            "pulls",
+            "Managed READs per (reader, owner) engine pair: read, declined or failed, with the reason",
+            self.pulls.clone(),
+        );
+        r.register(
+            "pull_alarm",
+            "1 while a pair's pulls keep failing (declined or failed many times in a row)",
+            self.pull_alarm.clone(),
         );
         r.register(
             "probe_reads",

@@ -1,15 +1,26 @@
 //! The local API server on the agent's Unix socket: mode 0600, and every
 //! connection's peer credentials (`SO_PEERCRED`) are checked: only the
 //! agent's own uid or root may talk to it.
+//!
+//! Garbage on the socket (bytes that are not JSON requests, oversized
+//! length prefixes, frames cut short) is logged at warn with the peer's pid
+//! and uid, rate-limited ([`WarnLimiter`]), and answered with an error frame
+//! while the framing still allows one: a body that is not a request gets a
+//! `bad_request` response and the connection goes on; a length prefix over
+//! [`crate::proto::MAX_FRAME_BYTES`] or a frame cut short gets a
+//! `bad_request` response, then the connection is closed (the stream can no
+//! longer be split into frames).
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::Agent;
-use crate::proto::{ApiError, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json};
+use crate::proto::{
+    ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json,
+};
 
 /// Whether a peer with `peer_uid` may use an agent running as `own_uid`.
 pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
@@ -51,7 +62,7 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
                 let _ = send_json(
                     &sock,
                     &Response::Err(ApiError::new(
-                        "forbidden",
+                        ErrorKind::Forbidden,
                         format!(
                             "uid {} may not use this agent (only uid {own_uid} or root)",
                             c.uid()
@@ -67,10 +78,28 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
                 continue;
             }
         }
+        let peer = sock
+            .peer_cred()
+            .map(|c| Peer {
+                pid: c.pid(),
+                uid: c.uid(),
+            })
+            .unwrap_or_default();
         let agent = agent.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn(agent, sock).await {
-                tracing::debug!(error = %e, "local API connection ended");
+            if let Err(e) = conn(agent, &sock, peer).await {
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    // The framing is lost: say why in one last frame.
+                    let _ = send_json(
+                        &sock,
+                        &Response::Err(ApiError::new(ErrorKind::BadRequest, format!("frame: {e}"))),
+                        &[],
+                    )
+                    .await;
+                    garbage_warn(peer, &format!("bad frame, connection closed: {e}"));
+                } else {
+                    tracing::debug!(error = %e, "local API connection ended");
+                }
             }
         });
     }
@@ -79,9 +108,9 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
 /// Serves one connection. Engines registered on it are unregistered when it
 /// closes (the engine process is gone: its memory must not be served any
 /// more), unless registered again since.
-async fn conn(agent: Arc<Agent>, sock: UnixStream) -> std::io::Result<()> {
+async fn conn(agent: Arc<Agent>, sock: &UnixStream, peer: Peer) -> std::io::Result<()> {
     let mut registered: Vec<(String, u64)> = Vec::new();
-    let r = serve_conn(&agent, &sock, &mut registered).await;
+    let r = serve_conn(&agent, sock, peer, &mut registered).await;
     for (id, generation) in registered {
         if agent.unregister_generation(&id, generation) {
             tracing::info!(engine_id = %id, "registering connection closed: engine unregistered");
@@ -93,6 +122,7 @@ async fn conn(agent: Arc<Agent>, sock: UnixStream) -> std::io::Result<()> {
 async fn serve_conn(
     agent: &Arc<Agent>,
     sock: &UnixStream,
+    peer: Peer,
     registered: &mut Vec<(String, u64)>,
 ) -> std::io::Result<()> {
     while let Some((body, fds)) = read_frame(sock).await? {
@@ -120,11 +150,90 @@ async fn serve_conn(
                 Ok(r) => Response::Ok(r),
                 Err(e) => Response::Err(e),
             },
-            Err(e) => Response::Err(ApiError::new("bad_request", format!("request: {e}"))),
+            Err(e) => {
+                garbage_warn(
+                    peer,
+                    &format!("a frame of {} bytes is not a request: {e}", body.len()),
+                );
+                Response::Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("request: {e}"),
+                ))
+            }
         };
         send_json(sock, &resp, &[]).await?;
     }
     Ok(())
+}
+
+/// The peer process of a connection (`SO_PEERCRED`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Peer {
+    /// Its pid, where the kernel reports one.
+    pub pid: Option<i32>,
+    /// Its uid.
+    pub uid: u32,
+}
+
+/// Rate limit of warnings: at most `burst` per `period_ms`; the ones
+/// dropped are counted and reported with the next one let through. Pure
+/// (time is passed in).
+#[derive(Clone, Debug)]
+pub struct WarnLimiter {
+    period_ms: u64,
+    burst: u32,
+    window_start_ms: u64,
+    in_window: u32,
+    suppressed: u64,
+}
+
+impl WarnLimiter {
+    /// At most `burst` warnings per `period_ms`.
+    pub const fn new(period_ms: u64, burst: u32) -> Self {
+        Self {
+            period_ms,
+            burst,
+            window_start_ms: 0,
+            in_window: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether to log a warning at `now_ms`: `Some(n)` with the number of
+    /// warnings dropped since the last one logged, or `None` (dropped).
+    pub fn allow(&mut self, now_ms: u64) -> Option<u64> {
+        if now_ms.saturating_sub(self.window_start_ms) >= self.period_ms {
+            self.window_start_ms = now_ms;
+            self.in_window = 0;
+        }
+        if self.in_window < self.burst {
+            self.in_window += 1;
+            Some(std::mem::take(&mut self.suppressed))
+        } else {
+            self.suppressed += 1;
+            None
+        }
+    }
+}
+
+/// Garbage warnings of the local API: 5 per 10 s.
+static GARBAGE_WARNINGS: Mutex<WarnLimiter> = Mutex::new(WarnLimiter::new(10_000, 5));
+
+/// Logs garbage from a client at warn, rate-limited ([`GARBAGE_WARNINGS`]).
+pub fn garbage_warn(peer: Peer, what: &str) {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let now_ms = START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64;
+    let allowed = GARBAGE_WARNINGS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .allow(now_ms);
+    if let Some(suppressed) = allowed {
+        tracing::warn!(peer_pid = ?peer.pid, peer_uid = peer.uid, suppressed,
+                       "local API: garbage from a client: {what}");
+    }
 }
 
 /// Handles one request.
@@ -141,7 +250,7 @@ pub async fn handle(
             Ok(())
         } else {
             Err(ApiError::new(
-                "bad_request",
+                ErrorKind::BadRequest,
                 "fds: only `register` carries file descriptors",
             ))
         }
@@ -153,7 +262,7 @@ pub async fn handle(
         Request::Hello { version, client } => {
             if version != PROTOCOL_VERSION {
                 return Err(ApiError::new(
-                    "version",
+                    ErrorKind::Version,
                     format!(
                         "version: agent speaks {PROTOCOL_VERSION}, client `{client}` speaks {version}"
                     ),
@@ -184,7 +293,7 @@ pub async fn handle(
                 Ok(Reply::Done)
             } else {
                 Err(ApiError::new(
-                    "unknown_engine",
+                    ErrorKind::UnknownEngine,
                     format!("engine_id `{engine_id}` is not registered"),
                 ))
             }
@@ -272,6 +381,20 @@ pub async fn handle(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn garbage_warnings_are_rate_limited_and_count_what_they_drop() {
+        let mut l = super::WarnLimiter::new(1000, 2);
+        assert_eq!(l.allow(0), Some(0));
+        assert_eq!(l.allow(10), Some(0));
+        assert_eq!(l.allow(20), None);
+        assert_eq!(l.allow(999), None);
+        // A new window: the two dropped ones are reported with the next.
+        assert_eq!(l.allow(1000), Some(2));
+        assert_eq!(l.allow(1001), Some(0));
+        assert_eq!(l.allow(1002), None);
+        assert_eq!(l.allow(5000), Some(1));
+    }
+
     #[test]
     fn only_same_uid_or_root() {
         assert!(super::peer_allowed(1000, 1000));

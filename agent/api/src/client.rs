@@ -26,7 +26,7 @@
 //! internal lock). [`AgentClient::events`] waits on the connection, so use a
 //! second client for a long-polling event loop.
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -49,12 +49,17 @@ pub enum ClientError {
     /// The agent refused the request (the message names the bad field).
     #[error("agent: {0}")]
     Api(#[from] ApiError),
+    /// The agent closed the connection before answering (it exited or
+    /// was killed): reconnect ([`crate::reconnect`]).
+    #[error("agent closed the connection")]
+    Closed,
     /// The agent answered something unexpected.
     #[error("agent protocol: {0}")]
     Protocol(String),
 }
 
 /// A connection to the local agent.
+#[derive(Debug)]
 pub struct AgentClient {
     sock: Mutex<UnixStream>,
     agent_id: String,
@@ -123,9 +128,7 @@ impl AgentClient {
             )));
         }
         send_json(&s, req, fds).await?;
-        let (body, _) = read_frame(&s)
-            .await?
-            .ok_or_else(|| ClientError::Protocol("agent closed the connection".into()))?;
+        let (body, _) = read_frame(&s).await?.ok_or(ClientError::Closed)?;
         self.in_flight.store(false, Ordering::Release);
         match serde_json::from_slice::<Response>(&body)
             .map_err(|e| ClientError::Protocol(format!("bad response: {e}")))?
@@ -149,16 +152,34 @@ impl AgentClient {
         regions: &[HostRegion],
         side_channel_port: Option<u16>,
     ) -> Result<SocketAddr, ClientError> {
-        let fds: Vec<RawFd> = regions.iter().map(|r| r.fd().as_raw_fd()).collect();
+        let fds: Vec<BorrowedFd<'_>> = regions.iter().map(|r| r.fd()).collect();
+        let lens: Vec<u64> = regions.iter().map(|r| r.len() as u64).collect();
+        self.register_fds(engine_id, layout, &fds, lens, side_channel_port)
+            .await
+    }
+
+    /// Registers memfd-backed KV memory given as file descriptors (one per
+    /// layout region, `len_bytes[i]` the length to map of `fds[i]`), e.g.
+    /// again after the agent restarted ([`crate::reconnect`]).
+    ///
+    /// # Errors
+    /// As [`AgentClient::register_memfd`].
+    pub async fn register_fds(
+        &self,
+        engine_id: &str,
+        layout: KvLayout,
+        fds: &[BorrowedFd<'_>],
+        len_bytes: Vec<u64>,
+        side_channel_port: Option<u16>,
+    ) -> Result<SocketAddr, ClientError> {
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let req = Request::Register {
             engine_id: engine_id.into(),
             layout,
-            regions: RegionSource::Memfd {
-                len_bytes: regions.iter().map(|r| r.len() as u64).collect(),
-            },
+            regions: RegionSource::Memfd { len_bytes },
             side_channel_port,
         };
-        match self.call(&req, &fds).await? {
+        match self.call(&req, &raw).await? {
             Reply::Registered { side_channel, .. } => Ok(side_channel),
             other => Err(unexpected(other)),
         }

@@ -8,6 +8,7 @@
 //!   connect to remote engines, READ, retain and release blocks, wait for
 //!   owner notifications, report prefill timings.
 //! * [`lease`]: lease records as the API reports them.
+//! * [`reconnect`]: reconnecting with back-off after the agent restarted.
 //!
 //! Kept apart from the agent crate so that an engine links the protocol
 //! without the agent's eBPF loader, cost model and network watchers.
@@ -15,5 +16,6 @@
 pub mod client;
 pub mod lease;
 pub mod proto;
+pub mod reconnect;
 
 pub use client::{AgentClient, ClientError};

@@ -312,24 +312,145 @@ impl From<kvloop_dataplane::ReadOutcome> for ReadDone {
     }
 }
 
+/// What kind of failure an [`ApiError`] is; on the wire a snake_case
+/// string (`"bad_request"`, ...). A kind this build does not know (a newer
+/// agent) decodes to [`ErrorKind::Other`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// A malformed or inconsistent request; the message names the field.
+    BadRequest,
+    /// The engine id is not registered with this agent.
+    UnknownEngine,
+    /// The owner's lease is unknown, expired, expiring within the safety
+    /// margin, or does not cover the blocks: recompute.
+    Lease,
+    /// An owner release refused while a reader that renewed the lease has
+    /// not notified yet (keep the blocks, evict another request).
+    LeaseInUse,
+    /// Protocol versions differ.
+    Version,
+    /// The caller's uid may not use the agent.
+    Forbidden,
+    /// The agent failed internally.
+    Internal,
+    /// A dataplane failure without a finer kind (also what agents before
+    /// the typed kinds sent for every dataplane failure).
+    Dataplane,
+    /// The READ names a remote engine the local engine has no handshake
+    /// with (never connected, or the connection closed): connect again.
+    UnknownPeer,
+    /// The READ timed out (its destination blocks are quarantined until
+    /// the transfer completes).
+    Timeout,
+    /// The remote engine went away while the READ was pending.
+    PeerGone,
+    /// The side-channel handshake failed or was refused.
+    Handshake,
+    /// The two engines' layouts cannot exchange blocks.
+    LayoutMismatch,
+    /// A destination block is still the target of an abandoned READ.
+    BlockQuarantined,
+    /// A block id is outside a layout, or a local block appears twice.
+    BlockRange,
+    /// The transfer backend (libfabric provider, NIXL plugin) failed.
+    Backend,
+    /// A kind this build does not know (sent by a newer agent).
+    #[serde(other)]
+    Other,
+}
+
+impl ErrorKind {
+    /// The wire name (`"bad_request"`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::BadRequest => "bad_request",
+            Self::UnknownEngine => "unknown_engine",
+            Self::Lease => "lease",
+            Self::LeaseInUse => "lease_in_use",
+            Self::Version => "version",
+            Self::Forbidden => "forbidden",
+            Self::Internal => "internal",
+            Self::Dataplane => "dataplane",
+            Self::UnknownPeer => "unknown_peer",
+            Self::Timeout => "timeout",
+            Self::PeerGone => "peer_gone",
+            Self::Handshake => "handshake",
+            Self::LayoutMismatch => "layout_mismatch",
+            Self::BlockQuarantined => "block_quarantined",
+            Self::BlockRange => "block_range",
+            Self::Backend => "backend",
+            Self::Other => "other",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Compares with a wire name (`kind == "lease"`), for callers written
+/// before the enum.
+impl PartialEq<&str> for ErrorKind {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+/// Which side of a transfer an error comes from (the dataplane's
+/// `ErrorSource`, carried over the socket).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorOrigin {
+    /// The agent or the local engine: bad arguments, local resources.
+    Local,
+    /// The remote engine or its agent: refused handshake, gone, declined.
+    Peer,
+    /// The transfer backend (libfabric provider or NIXL plugin).
+    Backend,
+}
+
 /// A failed request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{kind}: {message}")]
 pub struct ApiError {
-    /// Machine-readable kind: `bad_request`, `unknown_engine`, `dataplane`,
-    /// `lease`, `lease_in_use`, `version`, `internal`.
-    pub kind: String,
+    /// Machine-readable kind.
+    pub kind: ErrorKind,
     /// Human-readable, naming the bad field where there is one.
     pub message: String,
+    /// Where the failure came from; absent from agents before the typed
+    /// kinds and for errors of the API itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<ErrorOrigin>,
+    /// Whether sending the same request again may succeed and is safe
+    /// (the dataplane's `retry_safe`); `false` when absent.
+    #[serde(default)]
+    pub retry_safe: bool,
 }
 
 impl ApiError {
-    /// Builds an error.
-    pub fn new(kind: &str, message: impl Into<String>) -> Self {
+    /// Builds an error of the local API (no origin, not retry-safe).
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         Self {
-            kind: kind.into(),
+            kind,
             message: message.into(),
+            origin: None,
+            retry_safe: false,
         }
+    }
+
+    /// Sets where the failure came from.
+    pub fn with_origin(mut self, origin: ErrorOrigin) -> Self {
+        self.origin = Some(origin);
+        self
+    }
+
+    /// Marks the request as safe to send again.
+    pub fn retry_safe(mut self, safe: bool) -> Self {
+        self.retry_safe = safe;
+        self
     }
 }
 
@@ -464,4 +585,47 @@ async fn recv_some(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io
 pub async fn send_json<T: Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) -> io::Result<()> {
     let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
     write_frame(s, &body, fds).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Errors from agents before the typed kinds still decode, and a kind
+    /// this build does not know decodes to the catch-all.
+    #[test]
+    fn error_kinds_stay_backward_readable() {
+        let old: ApiError =
+            serde_json::from_str(r#"{"kind":"dataplane","message":"READ 3 timed out"}"#).unwrap();
+        assert_eq!(old.kind, ErrorKind::Dataplane);
+        assert_eq!((old.origin, old.retry_safe), (None, false));
+        let newer: ApiError =
+            serde_json::from_str(r#"{"kind":"from_the_future","message":"m","origin":"peer"}"#)
+                .unwrap();
+        assert_eq!(newer.kind, ErrorKind::Other);
+        assert_eq!(newer.origin, Some(ErrorOrigin::Peer));
+        let e = ApiError::new(ErrorKind::Timeout, "READ 7 timed out")
+            .with_origin(ErrorOrigin::Backend)
+            .retry_safe(true);
+        let wire = serde_json::to_value(&e).unwrap();
+        assert_eq!(
+            wire,
+            serde_json::json!({"kind": "timeout", "message": "READ 7 timed out",
+                               "origin": "backend", "retry_safe": true})
+        );
+        assert_eq!(serde_json::from_value::<ApiError>(wire).unwrap(), e);
+        assert!(e.kind == "timeout");
+        assert_eq!(e.to_string(), "timeout: READ 7 timed out");
+        // Every kind's wire name is what serde writes.
+        for k in [
+            ErrorKind::BadRequest,
+            ErrorKind::UnknownEngine,
+            ErrorKind::Lease,
+            ErrorKind::LeaseInUse,
+            ErrorKind::UnknownPeer,
+            ErrorKind::BlockQuarantined,
+        ] {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+        }
+    }
 }

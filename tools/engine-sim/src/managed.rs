@@ -7,6 +7,8 @@
 //!   the READ's duration), so concurrent requests each take their own
 //!   connection; a connection whose request failed at the socket level or
 //!   was cancelled (its caller's future dropped) is dropped, not reused.
+//!   It also keeps the agent's liveness as the engine sees it
+//!   ([`AgentLink::health`], [`AgentLink::metrics_text`]).
 //! - [`Registration`] (`--kv-mode agent`, managed mode): the engine's memfd
 //!   KV regions registered with the agent, which maps the same pages, serves
 //!   remote READs of them on the side channel it returns, and keeps the
@@ -18,18 +20,31 @@
 //!   notifies the owner.
 //! - [`run_events`]: the owner side: waits for the agent's events and hands
 //!   every release (owner notification received, lease expired) back to the
-//!   engine, which frees the blocks.
-use std::collections::HashSet;
+//!   engine, which frees the blocks. When the agent is lost (killed,
+//!   restarted on the same socket) it drops every hold leased at the lost
+//!   agent (the new agent has none of them, so both sides agree that none
+//!   exists), re-registers the same memory on the same side-channel port with
+//!   back-off ([`kvloop_agent_api::reconnect`]), and goes on.
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 pub use kvloop_agent_api::client::{AgentClient, ClientError};
+pub use kvloop_agent_api::proto::ErrorKind;
 use kvloop_agent_api::proto::{EngineEvent, ReadDirection};
+use kvloop_agent_api::reconnect::{Backoff, ReconnectError, connect_with_backoff};
 use kvloop_dataplane::{HostRegion, KvLayout};
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::transfer::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
+
+/// Locks a std mutex, tolerating poison (the data are plain sets and lists).
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Most idle connections kept in an [`AgentLink`]'s pool.
 const MAX_IDLE_CONNECTIONS: usize = 16;
@@ -39,6 +54,25 @@ pub struct AgentLink {
     path: PathBuf,
     client_name: String,
     idle: Mutex<Vec<AgentClient>>,
+    backoff: Backoff,
+    /// The agent is lost: set from the loss until the re-registration.
+    lost: AtomicBool,
+    lost_total: AtomicU64,
+    reregistered_total: AtomicU64,
+    /// Registrations made through this link, by engine id (to re-register).
+    regs: Mutex<HashMap<String, Weak<RegState>>>,
+}
+
+/// The node agent as an engine sees it ([`AgentLink::health`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentHealth {
+    /// `false` from the moment the agent was lost (its connection closed,
+    /// the engine unknown there) until the engine is registered again.
+    pub connected: bool,
+    /// Times the agent was lost.
+    pub lost_total: u64,
+    /// Times the engine registered again after a loss.
+    pub reregistered_total: u64,
 }
 
 /// A connection taken from an [`AgentLink`]; goes back to the pool when
@@ -83,11 +117,88 @@ impl AgentLink {
     /// The socket error or the agent's refusal.
     pub async fn connect(path: &Path, client_name: &str) -> Result<Self, ClientError> {
         let first = AgentClient::connect(path, client_name).await?;
-        Ok(Self {
+        Ok(Self::with_first(
+            path,
+            client_name,
+            Some(first),
+            Backoff::default(),
+        ))
+    }
+
+    fn with_first(
+        path: &Path,
+        client_name: &str,
+        first: Option<AgentClient>,
+        backoff: Backoff,
+    ) -> Self {
+        Self {
             path: path.to_path_buf(),
             client_name: client_name.to_string(),
-            idle: Mutex::new(vec![first]),
-        })
+            idle: Mutex::new(first.into_iter().collect()),
+            backoff,
+            lost: AtomicBool::new(false),
+            lost_total: AtomicU64::new(0),
+            reregistered_total: AtomicU64::new(0),
+            regs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Sets the back-off between reconnection attempts after the agent was
+    /// lost (default: [`Backoff::default`], 50 ms doubling to 2 s).
+    pub fn set_backoff(&mut self, backoff: Backoff) {
+        self.backoff = backoff;
+    }
+
+    /// The agent's liveness as this engine sees it.
+    pub fn health(&self) -> AgentHealth {
+        AgentHealth {
+            connected: !self.lost.load(Ordering::Acquire),
+            lost_total: self.lost_total.load(Ordering::Relaxed),
+            reregistered_total: self.reregistered_total.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The link's metrics as Prometheus text, to append to the engine's
+    /// `/metrics`: `kvloop_sim_agent_connected` (gauge, 1 or 0),
+    /// `kvloop_sim_agent_lost_total` and `kvloop_sim_agent_reregistered_total`
+    /// (counters).
+    pub fn metrics_text(&self) -> String {
+        let h = self.health();
+        format!(
+            "# HELP kvloop_sim_agent_connected 1 while registered with the node agent, 0 from its loss until registered again.\n\
+             # TYPE kvloop_sim_agent_connected gauge\n\
+             kvloop_sim_agent_connected {}\n\
+             # HELP kvloop_sim_agent_lost Times the node agent was lost (connection closed, engine unknown there).\n\
+             # TYPE kvloop_sim_agent_lost counter\n\
+             kvloop_sim_agent_lost_total {}\n\
+             # HELP kvloop_sim_agent_reregistered Times the engine registered its KV memory again after a loss.\n\
+             # TYPE kvloop_sim_agent_reregistered counter\n\
+             kvloop_sim_agent_reregistered_total {}\n",
+            u8::from(h.connected),
+            h.lost_total,
+            h.reregistered_total
+        )
+    }
+
+    /// Drops every pooled connection (they lead to an agent that is gone).
+    fn clear_idle(&self) {
+        locked(&self.idle).clear();
+    }
+
+    fn registration_state(&self, engine_id: &str) -> Option<Arc<RegState>> {
+        locked(&self.regs).get(engine_id).and_then(Weak::upgrade)
+    }
+
+    fn mark_lost(&self) {
+        if !self.lost.swap(true, Ordering::AcqRel) {
+            self.lost_total.fetch_add(1, Ordering::Relaxed);
+        }
+        self.clear_idle();
+    }
+
+    fn mark_reregistered(&self) {
+        self.reregistered_total.fetch_add(1, Ordering::Relaxed);
+        self.lost.store(false, Ordering::Release);
     }
 
     /// The agent's socket path.
@@ -100,7 +211,7 @@ impl AgentLink {
     /// # Errors
     /// The socket error when a new connection is needed and fails.
     pub async fn get(&self) -> Result<Pooled<'_>, ClientError> {
-        let idle = self.idle.lock().unwrap().pop();
+        let idle = locked(&self.idle).pop();
         let client = match idle {
             Some(c) => c,
             None => AgentClient::connect(&self.path, &self.client_name).await?,
@@ -122,7 +233,10 @@ impl AgentLink {
     {
         let c = self.get().await?;
         let r = f(&c).await;
-        if matches!(r, Err(ClientError::Io(_) | ClientError::Protocol(_))) {
+        if matches!(
+            r,
+            Err(ClientError::Io(_) | ClientError::Closed | ClientError::Protocol(_))
+        ) {
             c.discard();
         }
         r
@@ -148,14 +262,86 @@ impl AgentLink {
     }
 }
 
+/// What re-registering an engine needs, shared by its [`Registration`] and
+/// the link (which finds it by engine id in [`run_events`]).
+struct RegState {
+    engine_id: String,
+    layout: KvLayout,
+    /// Duplicates of the engine's memfds (the same pages), in layout order.
+    fds: Vec<OwnedFd>,
+    len_bytes: Vec<u64>,
+    /// The side channel of the first registration; re-registrations ask
+    /// for the same port (it is in the params readers hold).
+    side_channel: SocketAddr,
+    /// The connection that made the registration: the agent unregisters the
+    /// engine when it closes.
+    conn: tokio::sync::Mutex<Option<AgentClient>>,
+    /// Requests retained at the agent and not yet released.
+    retained: Mutex<HashSet<String>>,
+    /// Bumped at every re-registration (the agent's connections to remote
+    /// engines are gone with the old agent).
+    epoch: AtomicU64,
+}
+
+impl RegState {
+    fn take_retained(&self) -> Vec<String> {
+        locked(&self.retained).drain().collect()
+    }
+
+    fn forget_retained(&self, request_id: &str) {
+        locked(&self.retained).remove(request_id);
+    }
+
+    /// Registers the memory again with the agent at `link`'s socket (after
+    /// a loss), retrying with back-off while `keep_going()`; asks for the
+    /// same side-channel port.
+    async fn reregister(
+        &self,
+        link: &AgentLink,
+        mut keep_going: impl FnMut() -> bool,
+    ) -> Result<(), ReconnectError> {
+        loop {
+            let c =
+                connect_with_backoff(&link.path, &self.engine_id, &link.backoff, &mut keep_going)
+                    .await?;
+            let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(|f| f.as_fd()).collect();
+            let r = c
+                .register_fds(
+                    &self.engine_id,
+                    self.layout,
+                    &fds,
+                    self.len_bytes.clone(),
+                    Some(self.side_channel.port()),
+                )
+                .await;
+            match r {
+                Ok(addr) => {
+                    if addr != self.side_channel {
+                        warn!(engine = %self.engine_id, old = %self.side_channel, new = %addr,
+                              "re-registered on another side channel: params already sent name the old one");
+                    }
+                    *self.conn.lock().await = Some(c);
+                    self.epoch.fetch_add(1, Ordering::AcqRel);
+                    link.clear_idle();
+                    return Ok(());
+                }
+                Err(e) => {
+                    warn!(engine = %self.engine_id, error = %e,
+                          "registering again with the agent failed; retrying");
+                    if !keep_going() {
+                        return Err(ReconnectError::GaveUp(e));
+                    }
+                    tokio::time::sleep(link.backoff.max_delay).await;
+                }
+            }
+        }
+    }
+}
+
 /// An engine's KV memory registered with its node agent (managed mode).
 pub struct Registration {
     link: Arc<AgentLink>,
-    engine_id: String,
-    /// The connection that made the registration: the agent unregisters the
-    /// engine when it closes.
-    _conn: AgentClient,
-    side_channel: SocketAddr,
+    state: Arc<RegState>,
     agent_id: String,
 }
 
@@ -179,19 +365,40 @@ impl Registration {
             .register_memfd(engine_id, layout, regions, side_channel_port)
             .await
             .map_err(|e| format!("registering KV memory with the agent: {e}"))?;
-        Ok(Self {
-            agent_id: conn.agent_id().to_string(),
-            link,
+        let fds = regions
+            .iter()
+            .map(|r| r.fd().try_clone_to_owned())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("duplicating the KV memfds (to register again later): {e}"))?;
+        let state = Arc::new(RegState {
             engine_id: engine_id.to_string(),
-            _conn: conn,
+            layout,
+            fds,
+            len_bytes: regions.iter().map(|r| r.len() as u64).collect(),
             side_channel,
+            conn: tokio::sync::Mutex::new(None),
+            retained: Mutex::new(HashSet::new()),
+            epoch: AtomicU64::new(0),
+        });
+        let agent_id = conn.agent_id().to_string();
+        *state.conn.lock().await = Some(conn);
+        locked(&link.regs).insert(engine_id.to_string(), Arc::downgrade(&state));
+        Ok(Self {
+            agent_id,
+            link,
+            state,
         })
+    }
+
+    /// The engine id.
+    pub fn engine_id(&self) -> &str {
+        &self.state.engine_id
     }
 
     /// The side-channel address the agent serves this engine's blocks on
     /// (what `kv_transfer_params` carries as `remote_host`/`remote_port`).
     pub fn side_channel(&self) -> SocketAddr {
-        self.side_channel
+        self.state.side_channel
     }
 
     /// The agent's id (node name).
@@ -202,6 +409,11 @@ impl Registration {
     /// The connection pool.
     pub fn link(&self) -> &Arc<AgentLink> {
         &self.link
+    }
+
+    /// How many times the engine registered again (after agent losses).
+    fn epoch(&self) -> u64 {
+        self.state.epoch.load(Ordering::Acquire)
     }
 
     /// Retains `block_ids` of `request_id` for `ttl_ms`: readers' agents
@@ -218,11 +430,13 @@ impl Registration {
         let ids: Vec<u64> = block_ids.iter().map(|b| u64::from(*b)).collect();
         self.link
             .with(async |c| {
-                c.retain(&self.engine_id, request_id, ids, Some(ttl_ms))
+                c.retain(&self.state.engine_id, request_id, ids, Some(ttl_ms))
                     .await
                     .map(|_| ())
             })
-            .await
+            .await?;
+        locked(&self.state.retained).insert(request_id.to_string());
+        Ok(())
     }
 
     /// Releases the lease of `request_id` (the engine evicts its blocks).
@@ -230,9 +444,14 @@ impl Registration {
     /// # Errors
     /// `lease` when nothing is retained.
     pub async fn release(&self, request_id: &str) -> Result<(), ClientError> {
-        self.link
-            .with(async |c| c.release(&self.engine_id, request_id).await)
-            .await
+        let r = self
+            .link
+            .with(async |c| c.release(&self.state.engine_id, request_id).await)
+            .await;
+        if r.is_ok() || matches!(&r, Err(ClientError::Api(e)) if e.kind == ErrorKind::Lease) {
+            self.state.forget_retained(request_id);
+        }
+        r
     }
 }
 
@@ -240,29 +459,107 @@ impl Registration {
 /// and calls `released(request_id)` for every lease the agent released
 /// (all owner notifications received, TTL lapsed, owner release). Returns
 /// `Ok` when `released` returns `false` (the engine is gone; checked at
-/// least every second), or the error that ended the stream: the agent is
-/// gone ([`ClientError::Io`]) or no longer hosts the engine
-/// (`unknown_engine`); either way the registration is gone with it.
+/// least every second and before every reconnection attempt).
+///
+/// When the agent is lost (the connection closes: it was killed or
+/// restarted; or it no longer hosts the engine) and the engine was
+/// registered through `link` ([`Registration::register`]): marks the link
+/// lost ([`AgentLink::health`]), calls `released` for every request retained
+/// at the lost agent (the holds are gone there, so they go here too: no
+/// reader can renew or READ them any more), registers the same memory again
+/// with back-off, and waits for events again.
 ///
 /// # Errors
-/// As above.
+/// For an engine not registered through `link`, the error that ended the
+/// stream (the first connection's included); a refusal by the restarted
+/// agent (`version`, `forbidden`).
 pub async fn run_events(
     link: Arc<AgentLink>,
     engine_id: String,
     mut released: impl FnMut(Option<&str>) -> bool,
 ) -> Result<(), ClientError> {
-    let c = AgentClient::connect(link.path(), &format!("{engine_id}-events")).await?;
+    let name = format!("{engine_id}-events");
+    let mut conn = Some(AgentClient::connect(link.path(), &name).await);
     loop {
         if !released(None) {
             return Ok(());
         }
-        for ev in c.events(&engine_id, 1000).await? {
-            if let EngineEvent::Released(r) = ev
-                && !released(Some(&r.request_id))
-            {
+        let r = match conn.take() {
+            Some(Ok(c)) => c.events(&engine_id, 1000).await.map(|ev| (c, ev)),
+            Some(Err(e)) => Err(e),
+            // Not reached: every path back to the loop's head sets `conn`.
+            None => Err(ClientError::Closed),
+        };
+        let e = match r {
+            Ok((c, events)) => {
+                conn = Some(Ok(c));
+                let st = link.registration_state(&engine_id);
+                for ev in events {
+                    if let EngineEvent::Released(r) = ev {
+                        if let Some(st) = &st {
+                            st.forget_retained(&r.request_id);
+                        }
+                        if !released(Some(&r.request_id)) {
+                            return Ok(());
+                        }
+                    }
+                }
+                continue;
+            }
+            Err(e) => e,
+        };
+        let lost = e.is_connection_lost()
+            || matches!(&e, ClientError::Api(a) if a.kind == ErrorKind::UnknownEngine);
+        let Some(st) = link.registration_state(&engine_id).filter(|_| lost) else {
+            return Err(e);
+        };
+        link.mark_lost();
+        let dropped = st.take_retained();
+        warn!(engine = %engine_id, error = %e, holds_dropped = dropped.len(),
+              "lost the node agent: holds leased there dropped; registering again");
+        for id in &dropped {
+            if !released(Some(id)) {
                 return Ok(());
             }
         }
+        match st.reregister(&link, || released(None)).await {
+            Ok(()) => {}
+            Err(ReconnectError::GaveUp(_)) if !released(None) => return Ok(()),
+            Err(ReconnectError::GaveUp(e) | ReconnectError::Refused(e)) => return Err(e),
+        }
+        match connect_with_backoff(link.path(), &name, &link.backoff, || released(None)).await {
+            Ok(c) => conn = Some(Ok(c)),
+            Err(ReconnectError::GaveUp(_)) if !released(None) => return Ok(()),
+            Err(ReconnectError::GaveUp(e) | ReconnectError::Refused(e)) => return Err(e),
+        }
+        link.mark_reregistered();
+        info!(engine = %engine_id, side_channel = %st.side_channel, "registered again with the node agent");
+    }
+}
+
+/// The owner's side channel from the params' `remote_host` and
+/// `remote_port`: `remote_host` is a host name or an IP literal (IPv6 with or
+/// without brackets), the same contract as the router's registry; a name is
+/// resolved here (the first address).
+///
+/// # Errors
+/// [`TransferError::Declined`] naming `remote_host` when it neither parses
+/// nor resolves.
+pub async fn resolve_side_channel(host: &str, port: u16) -> Result<SocketAddr, TransferError> {
+    let hp = host_port(host, port);
+    if let Ok(a) = hp.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let declined = |why: String| {
+        TransferError::Declined(format!(
+            "remote_host `{host}`: expected a host name or IP literal of the owner's side channel ({why})"
+        ))
+    };
+    match tokio::net::lookup_host(&hp).await {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| declined("the name has no address".into())),
+        Err(e) => Err(declined(format!("resolving `{hp}`: {e}"))),
     }
 }
 
@@ -272,8 +569,10 @@ pub struct AgentTransfer {
     reg: Arc<Registration>,
     direction: ReadDirection,
     read_timeout_ms: u64,
-    /// Remote engines the agent has connected this engine to.
-    connected: tokio::sync::Mutex<HashSet<String>>,
+    /// Remote engines the agent has connected this engine to, and the
+    /// registration epoch they were connected in (a re-registered engine
+    /// has no connections at the new agent).
+    connected: tokio::sync::Mutex<(u64, HashSet<String>)>,
 }
 
 impl AgentTransfer {
@@ -283,24 +582,24 @@ impl AgentTransfer {
             reg,
             direction,
             read_timeout_ms,
-            connected: tokio::sync::Mutex::new(HashSet::new()),
+            connected: tokio::sync::Mutex::new((0, HashSet::new())),
         }
     }
 
     /// Connects this engine to the owner's side channel through the agent
     /// unless done already; the engine there must be the one the params name.
     async fn ensure_connected(&self, req: &ReadRequest) -> Result<(), TransferError> {
-        let mut connected = self.connected.lock().await;
+        let mut guard = self.connected.lock().await;
+        let epoch = self.reg.epoch();
+        if guard.0 != epoch {
+            *guard = (epoch, HashSet::new());
+        }
+        let connected = &mut guard.1;
         if connected.contains(&req.remote_engine_id) {
             return Ok(());
         }
-        let hp = host_port(&req.remote_host, req.remote_port);
-        let addr: SocketAddr = hp.parse().map_err(|_| {
-            TransferError::Declined(format!(
-                "remote_host/remote_port `{hp}`: expected an IP address and port (the owner's side channel)"
-            ))
-        })?;
-        let engine_id = &self.reg.engine_id;
+        let addr = resolve_side_channel(&req.remote_host, req.remote_port).await?;
+        let engine_id = self.reg.engine_id();
         let peer = self
             .reg
             .link
@@ -318,38 +617,56 @@ impl AgentTransfer {
     }
 }
 
+impl AgentTransfer {
+    /// One managed READ of `req` (lease checked, owner notified).
+    async fn read_once(
+        &self,
+        req: &ReadRequest,
+        blocks: Vec<kvloop_dataplane::BlockPair>,
+    ) -> Result<(), ClientError> {
+        let engine_id = self.reg.engine_id();
+        self.reg
+            .link
+            .with(async |c| {
+                c.read(
+                    engine_id,
+                    &req.remote_engine_id,
+                    blocks,
+                    self.direction,
+                    Some((&req.remote_request_id, 1)),
+                    true,
+                    Some(self.read_timeout_ms),
+                )
+                .await
+                .map(|_| ())
+            })
+            .await
+    }
+}
+
 impl KvTransfer for AgentTransfer {
     fn read(&self, req: ReadRequest) -> ReadFuture<'_> {
         Box::pin(async move {
             let blocks = req.block_pairs()?;
             self.ensure_connected(&req).await?;
-            let engine_id = &self.reg.engine_id;
-            let r = self
-                .reg
-                .link
-                .with(async |c| {
-                    c.read(
-                        engine_id,
-                        &req.remote_engine_id,
-                        blocks,
-                        self.direction,
-                        Some((&req.remote_request_id, 1)),
-                        true,
-                        Some(self.read_timeout_ms),
-                    )
-                    .await
-                })
-                .await;
+            let mut r = self.read_once(&req, blocks.clone()).await;
+            if matches!(&r, Err(ClientError::Api(e)) if e.kind == ErrorKind::UnknownPeer) {
+                // The agent's connection to the owner closed (the owner's
+                // agent restarted): nothing was posted; connect and READ again.
+                self.connected.lock().await.1.remove(&req.remote_engine_id);
+                self.ensure_connected(&req).await?;
+                r = self.read_once(&req, blocks).await;
+            }
             match r {
-                Ok(_) => Ok(req.num_tokens),
-                Err(ClientError::Api(e)) if e.kind == "lease" => {
+                Ok(()) => Ok(req.num_tokens),
+                Err(ClientError::Api(e)) if e.kind == ErrorKind::Lease => {
                     Err(TransferError::Declined(e.to_string()))
                 }
                 Err(e) => {
                     // The owner may have restarted (new layout, new side
                     // channel): connect afresh next time.
-                    if !matches!(&e, ClientError::Api(a) if a.kind == "bad_request") {
-                        self.connected.lock().await.remove(&req.remote_engine_id);
+                    if !matches!(&e, ClientError::Api(a) if a.kind == ErrorKind::BadRequest) {
+                        self.connected.lock().await.1.remove(&req.remote_engine_id);
                     }
                     if let ClientError::Io(_) = e {
                         warn!(error = %e, "agent connection failed during a READ");
@@ -358,5 +675,27 @@ impl KvTransfer for AgentTransfer {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `remote_host` is a host name or an IP literal, as at the router.
+    #[tokio::test]
+    async fn side_channel_hosts_are_names_or_ip_literals() {
+        let a = resolve_side_channel("127.0.0.1", 5600).await.unwrap();
+        assert_eq!(a, "127.0.0.1:5600".parse().unwrap());
+        for v6 in ["::1", "[::1]"] {
+            let a = resolve_side_channel(v6, 5600).await.unwrap();
+            assert_eq!(a, "[::1]:5600".parse().unwrap(), "{v6}");
+        }
+        let a = resolve_side_channel("localhost", 5600).await.unwrap();
+        assert!(a.ip().is_loopback() && a.port() == 5600, "{a}");
+        match resolve_side_channel("no-such-host.invalid", 5600).await {
+            Err(TransferError::Declined(m)) => assert!(m.contains("remote_host"), "{m}"),
+            other => panic!("expected a decline naming remote_host, got {other:?}"),
+        }
     }
 }

@@ -1,0 +1,133 @@
+//! Pull outcomes per (reader, owner) engine pair, and the alarm of a pair
+//! whose pulls keep failing (issue: a side channel nobody can reach made
+//! every READ decline, silently). Pure: the agent feeds it outcomes and
+//! turns its answers into metrics and warnings.
+use std::collections::HashMap;
+
+use crate::proto::ErrorKind;
+
+/// Consecutive pulls not read (declined or failed) that raise a pair's alarm.
+pub const DEFAULT_ALARM_AFTER: u32 = 5;
+
+/// What a managed READ came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PullOutcome {
+    /// The blocks were read.
+    Read,
+    /// Declined before reading (lease unknown, expiring, not covering the
+    /// blocks, the owner unknown): the reader recomputes.
+    Declined(ErrorKind),
+    /// The READ failed (timeout, peer gone, backend).
+    Failed(ErrorKind),
+}
+
+impl PullOutcome {
+    /// The `result` label: `read`, `declined`, `failed`.
+    pub fn result_label(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Declined(_) => "declined",
+            Self::Failed(_) => "failed",
+        }
+    }
+
+    /// The `reason` label: the error kind, or `""` for a read.
+    pub fn reason_label(self) -> &'static str {
+        match self {
+            Self::Read => "",
+            Self::Declined(k) | Self::Failed(k) => k.as_str(),
+        }
+    }
+}
+
+/// A change of a pair's alarm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlarmChange {
+    /// None.
+    Unchanged,
+    /// Raised now: that many pulls in a row were not read.
+    Raised(u32),
+    /// Cleared by a pull that read.
+    Cleared,
+}
+
+/// Consecutive unread pulls per (reader, owner) pair.
+#[derive(Debug)]
+pub struct PullTracker {
+    alarm_after: u32,
+    unread: HashMap<(String, String), u32>,
+}
+
+impl Default for PullTracker {
+    fn default() -> Self {
+        Self::new(DEFAULT_ALARM_AFTER)
+    }
+}
+
+impl PullTracker {
+    /// Raises a pair's alarm after `alarm_after` (≥ 1) unread pulls in a row.
+    pub fn new(alarm_after: u32) -> Self {
+        Self {
+            alarm_after: alarm_after.max(1),
+            unread: HashMap::new(),
+        }
+    }
+
+    /// Records one pull of `owner`'s blocks by `reader`.
+    pub fn record(&mut self, reader: &str, owner: &str, outcome: PullOutcome) -> AlarmChange {
+        let key = (reader.to_string(), owner.to_string());
+        if outcome == PullOutcome::Read {
+            return match self.unread.remove(&key) {
+                Some(n) if n >= self.alarm_after => AlarmChange::Cleared,
+                _ => AlarmChange::Unchanged,
+            };
+        }
+        let n = self.unread.entry(key).or_insert(0);
+        *n = n.saturating_add(1);
+        if *n == self.alarm_after {
+            AlarmChange::Raised(*n)
+        } else {
+            AlarmChange::Unchanged
+        }
+    }
+
+    /// Whether the pair's alarm is raised.
+    pub fn alarmed(&self, reader: &str, owner: &str) -> bool {
+        self.unread
+            .get(&(reader.to_string(), owner.to_string()))
+            .is_some_and(|n| *n >= self.alarm_after)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pair_whose_pulls_keep_failing_raises_an_alarm_until_one_reads() {
+        let mut t = PullTracker::new(3);
+        let lease = PullOutcome::Declined(ErrorKind::Lease);
+        let timeout = PullOutcome::Failed(ErrorKind::Timeout);
+        assert_eq!(t.record("p0", "d0", lease), AlarmChange::Unchanged);
+        assert_eq!(t.record("p0", "d0", timeout), AlarmChange::Unchanged);
+        // Another pair does not count towards p0,d0.
+        assert_eq!(t.record("p1", "d0", lease), AlarmChange::Unchanged);
+        assert_eq!(t.record("p0", "d0", lease), AlarmChange::Raised(3));
+        assert!(t.alarmed("p0", "d0") && !t.alarmed("p1", "d0"));
+        // Raised once, not at every further failure.
+        assert_eq!(t.record("p0", "d0", lease), AlarmChange::Unchanged);
+        assert_eq!(
+            t.record("p0", "d0", PullOutcome::Read),
+            AlarmChange::Cleared
+        );
+        assert!(!t.alarmed("p0", "d0"));
+        // A read below the threshold just resets the count.
+        assert_eq!(
+            t.record("p1", "d0", PullOutcome::Read),
+            AlarmChange::Unchanged
+        );
+        assert_eq!(lease.result_label(), "declined");
+        assert_eq!(lease.reason_label(), "lease");
+        assert_eq!(PullOutcome::Read.reason_label(), "");
+    }
+}
