@@ -137,7 +137,7 @@ impl Engine {
                     Ok(()) => {}
                     // Gone at the agent already (notified, expired): its
                     // release event may still be on the way.
-                    Err(managed::ClientError::Api(e)) if e.kind == "lease" => {}
+                    Err(managed::ClientError::Api(e)) if e.kind == managed::ErrorKind::Lease => {}
                     Err(e) => {
                         debug!(request = %k, error = %e, "lease kept by the agent; not evicted");
                         continue;

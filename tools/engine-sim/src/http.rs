@@ -246,7 +246,41 @@ pub(crate) async fn metrics_text(State(e): State<Arc<Engine>>) -> Response {
             axum::http::header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        e.metrics.render(),
+        with_agent_link_metrics(e.metrics.render(), agent_link(&e).map(|l| l.metrics_text())),
     )
         .into_response()
+}
+
+/// The node agent's link of a managed-mode engine (`--kv-mode agent`), if any.
+fn agent_link(e: &Engine) -> Option<&Arc<crate::managed::AgentLink>> {
+    e.kv.as_ref().and_then(|k| k.registration()).map(|r| r.link())
+}
+
+/// Inserts the agent link's families before OpenMetrics' closing `# EOF`.
+fn with_agent_link_metrics(mut text: String, link: Option<String>) -> String {
+    let Some(link) = link else { return text };
+    match text.rfind("# EOF") {
+        Some(at) => text.insert_str(at, &link),
+        None => text.push_str(&link),
+    }
+    text
+}
+
+/// `GET /health`: 200, or 503 with a JSON reason while a managed-mode engine
+/// has lost its node agent (issue 12 item 9: from the loss until it has
+/// registered its KV memory again, every turn recomputes).
+pub(crate) async fn health(State(e): State<Arc<Engine>>) -> Response {
+    match agent_link(&e).map(|l| l.health()) {
+        Some(h) if !h.connected => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({
+                "status": "degraded",
+                "agent_lost": true,
+                "agent_lost_total": h.lost_total,
+                "detail": "the node agent is lost: KV is recomputed until the engine has registered again",
+            })),
+        )
+            .into_response(),
+        _ => StatusCode::OK.into_response(),
+    }
 }

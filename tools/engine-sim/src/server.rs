@@ -18,7 +18,7 @@ use tracing::warn;
 use crate::blocks::BlockAllocator;
 use crate::config::{KvMode, Role, SimConfig};
 use crate::engine::Engine;
-use crate::http::{chat_completions, completions, metrics_text, models, reads, stats, tokenize};
+use crate::http::{chat_completions, completions, health, metrics_text, models, reads, stats, tokenize};
 use crate::kv::{DataplaneTransfer, KvMemory, KvShape};
 use crate::managed;
 use crate::metrics;
@@ -282,7 +282,7 @@ fn http_routes(engine: &Arc<Engine>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
         .route("/sim/stats", get(stats))
         .route("/sim/reads", get(reads))
         .route("/metrics", get(metrics_text));
