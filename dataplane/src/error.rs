@@ -72,10 +72,11 @@ pub enum DataplaneError {
         /// Index of the second pair.
         second: usize,
     },
-    /// A local block is still the target of an abandoned (timed-out) READ
-    /// whose completion has not been seen; it cannot be read into yet.
+    /// A local block is still the target of an abandoned READ (timed out,
+    /// or its caller's future dropped) whose completion has not been seen; it
+    /// cannot be read into yet.
     #[error(
-        "local block {block_id} is quarantined: an earlier READ into it timed out and has not completed"
+        "local block {block_id} is quarantined: an earlier READ into it timed out or was cancelled and has not completed"
     )]
     BlockQuarantined {
         /// The local block id.

@@ -5,7 +5,9 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use super::{Endpoint, FabricConfig, Mr, OpCtx, fi_error_string, sys};
+use super::FabricConfig;
+use super::ffi::{Endpoint, Mr, fi_error_string, sys};
+use super::state::OpCtx;
 use crate::backend::{BackendMetadata, RemoteRegion};
 use crate::error::{DataplaneError, Result};
 use crate::region::RegionDesc;
