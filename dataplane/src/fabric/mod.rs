@@ -83,7 +83,6 @@ impl FabricBackend {
             outstanding: AtomicUsize::new(0),
             next_read: AtomicU64::new(1),
             stop: AtomicBool::new(false),
-            progress_thread: Mutex::new(None),
             // SAFETY: eventfd has no memory-safety preconditions.
             waker: unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) },
             serve_until_ns: AtomicU64::new(0),
@@ -95,7 +94,6 @@ impl FabricBackend {
             .name("kvloop-fabric-progress".into())
             .spawn(move || progress_loop(&s2))
             .map_err(|e| DataplaneError::io("spawn progress thread", e))?;
-        *shared.progress_thread.lock() = Some(thread.thread().clone());
         Ok(Self {
             shared,
             thread: Some(thread),

@@ -51,8 +51,8 @@ pub(crate) fn progress_loop(s: &Shared) {
         }
         // Idle. With a CQ wait fd: block in poll(2) on it and on the waker
         // eventfd (posting writes it), so remote READs served from our
-        // memory are progressed as soon as they arrive. Without one: park
-        // (posting unparks), backing off from idle_sleep_us to
+        // memory are progressed as soon as they arrive. Without one: wait on
+        // the waker (posting writes it), backing off from idle_sleep_us to
         // idle_sleep_max_us; serving-side progress happens on each wake-up.
         if let Some(fd) = s.ep.wait_fd {
             if s.ep.try_wait() {
@@ -80,9 +80,39 @@ pub(crate) fn progress_loop(s: &Shared) {
             }
             continue;
         }
-        std::thread::park_timeout(sleep);
+        idle_wait(s.waker, sleep);
         if last_activity.elapsed() > Duration::from_millis(10) {
             sleep = (sleep * 2).min(max_sleep);
         }
+    }
+}
+
+/// Waits up to `timeout` for the waker eventfd, then drains it.
+///
+/// A relative `ppoll(2)` timeout, not `std::thread::park_timeout`: std's timed
+/// waits hand the kernel an absolute `CLOCK_MONOTONIC` deadline computed in
+/// user space, so a process whose user-space monotonic clock is offset (under
+/// libfaketime, which fakes `clock_gettime(CLOCK_MONOTONIC)` but not the
+/// kernel's clock) would sleep for the offset instead of `timeout`, and serve
+/// remote READs only when a hint wakes it (test: `reads_do_not_depend_on_the_owners_monotonic_clock`
+/// in `tests/tests/dataplane_e2e.rs`).
+fn idle_wait(waker: i32, timeout: Duration) {
+    let mut fds = [libc::pollfd {
+        fd: waker,
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: one open fd in a live array of one pollfd; `ts` lives for the
+    // call; a null signal mask leaves the mask unchanged.
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), 1, &ts, std::ptr::null()) };
+    if n > 0 && fds[0].revents != 0 {
+        let mut v: u64 = 0;
+        // SAFETY: `waker` is our open non-blocking eventfd; reading 8 bytes
+        // into a live u64.
+        unsafe { libc::read(waker, &mut v as *mut u64 as *mut c_void, 8) };
     }
 }

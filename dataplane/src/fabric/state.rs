@@ -63,7 +63,6 @@ pub(crate) struct Shared {
     pub(crate) outstanding: AtomicUsize,
     pub(crate) next_read: AtomicU64,
     pub(crate) stop: AtomicBool,
-    pub(crate) progress_thread: Mutex<Option<std::thread::Thread>>,
     /// eventfd that posters write to wake a progress thread blocked in poll(2).
     pub(crate) waker: i32,
     /// Spin (serve) until this many ns after `epoch`: set by [`TransferBackend::kick`].
@@ -114,11 +113,8 @@ impl Shared {
         }
     }
 
-    /// Wakes the progress thread (parked or blocked in poll(2)).
+    /// Wakes the progress thread (waiting in ppoll(2) or poll(2) on `waker`).
     pub(crate) fn wake(&self) {
-        if let Some(t) = self.progress_thread.lock().as_ref() {
-            t.unpark();
-        }
         let one: u64 = 1;
         // SAFETY: `waker` is our open eventfd; writing 8 bytes from a live u64.
         unsafe { libc::write(self.waker, &one as *const u64 as *const c_void, 8) };
