@@ -99,6 +99,7 @@ impl RawReader {
                         });
                     }
                     let ctx = Box::into_raw(Box::new(OpCtx {
+                        // SAFETY: fi_context2 is plain provider scratch space; all-zero is valid.
                         ctx: unsafe { std::mem::zeroed() },
                         read_id: next as u64,
                     }));

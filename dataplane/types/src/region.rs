@@ -40,6 +40,8 @@ pub struct HostRegion {
 // SAFETY: the mapping is owned by this value and accessed only through raw
 // copies; the fd is an owned kernel object.
 unsafe impl Send for HostRegion {}
+// SAFETY: as for Send: shared access only copies through raw pointers, which
+// races with remote READs by design and never creates Rust references.
 unsafe impl Sync for HostRegion {}
 
 impl HostRegion {
@@ -71,6 +73,7 @@ impl HostRegion {
         }
         // SAFETY: fd was just returned by memfd_create and is owned here.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on the open fd owned by `fd`; result checked.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(DataplaneError::io(
                 "ftruncate memfd",
@@ -87,8 +90,9 @@ impl HostRegion {
     /// [`DataplaneError::Config`] when the fd is smaller than `len_bytes`;
     /// [`DataplaneError::Io`] when `fstat` or `mmap` fails.
     pub fn from_fd(fd: OwnedFd, len_bytes: usize) -> Result<Self> {
-        // SAFETY: fstat on an owned fd into a zeroed struct.
+        // SAFETY: libc::stat is a plain C struct; all-zero is a valid value.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on the open fd owned by `fd`, into a live struct.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(DataplaneError::io(
                 "fstat memfd",
