@@ -106,6 +106,7 @@ pub fn load_runtime(lib_dir: &Path) -> Result<()> {
     // SAFETY: dlopen of a library path; the handle is kept for the process lifetime.
     let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if h.is_null() {
+        // SAFETY: dlopen failed, so dlerror returns a NUL-terminated message.
         let err = unsafe { std::ffi::CStr::from_ptr(libc::dlerror()) }
             .to_string_lossy()
             .into_owned();

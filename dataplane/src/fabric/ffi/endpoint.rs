@@ -320,11 +320,11 @@ impl Endpoint {
             }
             return n as usize;
         }
-        if n == -(sys::FI_EAVAIL as isize) {
-            if let Some(ev) = self.read_cq_error() {
-                out.push(ev);
-                return 1;
-            }
+        if n == -(sys::FI_EAVAIL as isize)
+            && let Some(ev) = self.read_cq_error()
+        {
+            out.push(ev);
+            return 1;
         }
         0
     }
