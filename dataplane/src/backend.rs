@@ -5,6 +5,7 @@ use tokio::sync::oneshot;
 
 use crate::error::{DataplaneError, Result};
 use crate::layout::Segment;
+use crate::quarantine::Release;
 
 /// What a peer needs to know about one of an engine's registered regions to
 /// READ from it.
@@ -69,19 +70,55 @@ impl BackendMetadata {
 /// Completion handle of one posted READ: resolved exactly once by the
 /// backend, after every operation it posted for that READ has completed
 /// (successfully or not). Never resolved while an operation may still write
-/// local memory.
-pub struct Completion(pub(crate) oneshot::Sender<Result<()>>);
+/// local memory. Dropped unresolved, it counts as completed without a result.
+pub struct Completion {
+    tx: Option<oneshot::Sender<Result<()>>>,
+    release: Option<Release>,
+}
 
 impl Completion {
     /// A completion and the receiver that resolves with it.
     pub fn new() -> (Self, oneshot::Receiver<Result<()>>) {
         let (tx, rx) = oneshot::channel();
-        (Self(tx), rx)
+        (
+            Self {
+                tx: Some(tx),
+                release: None,
+            },
+            rx,
+        )
+    }
+
+    /// A completion that also takes its READ out of the engine's quarantine
+    /// (before the result is sent).
+    pub(crate) fn with_release(tx: oneshot::Sender<Result<()>>, release: Release) -> Self {
+        Self {
+            tx: Some(tx),
+            release: Some(release),
+        }
     }
 
     /// Resolves the READ.
-    pub fn complete(self, r: Result<()>) {
-        let _ = self.0.send(r);
+    pub fn complete(mut self, r: Result<()>) {
+        self.finish(Some(r));
+    }
+
+    fn finish(&mut self, r: Option<Result<()>>) {
+        let Some(tx) = self.tx.take() else { return };
+        match self.release.take() {
+            Some(rel) => rel.finish(tx, r),
+            None => {
+                if let Some(r) = r {
+                    let _ = tx.send(r);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        self.finish(None);
     }
 }
 

@@ -8,12 +8,14 @@
 //! * Backends: [`fabric`] (libfabric: `efa`, `tcp;ofi_rxm`, `shm`) and
 //!   [`nixl`] (NIXL `UCX` / `LIBFABRIC`).
 pub mod backend;
+pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fabric;
 pub mod layout;
 pub mod nixl;
 pub mod notify;
+mod quarantine;
 pub mod region;
 pub mod sidechannel;
 

@@ -252,3 +252,54 @@ fn mismatched_layouts_are_refused_at_handshake() {
     let s = d.wait_event("status", T).unwrap();
     assert_eq!(s["peers"].as_array().unwrap().len(), 0, "{s}");
 }
+
+/// libfaketime's preload library (Debian package `faketime`).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// The owner runs under libfaketime (`FAKETIME=+1d`), whose user-space
+/// `CLOCK_MONOTONIC` then reads the wall clock plus a day, far from the
+/// kernel's: READs from it still succeed, each within a second.
+#[test]
+#[ignore = "needs libfaketime (Debian package faketime)"]
+fn reads_do_not_depend_on_the_owners_monotonic_clock() {
+    assert!(
+        std::path::Path::new(LIBFAKETIME).exists(),
+        "needs libfaketime: {LIBFAKETIME} is missing (apt-get install faketime)"
+    );
+    let node = |id: &str, tag: u64| {
+        node_cmd(
+            None,
+            &node_args(
+                id,
+                "127.0.0.1:0",
+                "libfabric",
+                "tcp;ofi_rxm",
+                32,
+                65536,
+                tag,
+            ),
+        )
+    };
+    let mut owner = node("decode-0", 2);
+    owner.env("LD_PRELOAD", LIBFAKETIME).env("FAKETIME", "+1d");
+    let mut d = NodeChild::spawn(owner).unwrap();
+    let mut p = NodeChild::spawn(node("prefill-0", 1)).unwrap();
+    p.send(&json!({"cmd": "connect", "addr": d.side_channel()}))
+        .unwrap();
+    p.wait_event("connected", T).unwrap();
+    let pairs: Vec<(u64, u64)> = (0..8).map(|i| (i, i)).collect();
+    for i in 0..3 {
+        let start = Instant::now();
+        p.send(
+            &json!({"cmd": "read", "peer": "decode-0", "pairs": pairs_json(&pairs),
+                       "direction": "d2p", "timeout_ms": 5000, "verify_tag": 2}),
+        )
+        .unwrap();
+        let r = p.wait_event("read", T).unwrap();
+        let took = start.elapsed();
+        assert_eq!(r["ok"], true, "READ {i} from a faketime'd owner: {r}");
+        assert_eq!(r["verified_blocks"], 8, "{r}");
+        assert!(took < Duration::from_secs(1), "READ {i} took {took:?}");
+    }
+    d.send(&json!({"cmd": "quit"})).unwrap();
+}

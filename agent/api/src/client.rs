@@ -5,7 +5,7 @@
 //! # async fn f() -> Result<(), kvloop_agent_api::client::ClientError> {
 //! use kvloop_agent_api::client::AgentClient;
 //! use kvloop_agent_api::proto::ReadDirection;
-//! use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
+//! use kvloop_kv_types::{BlockPair, HostRegion, KvLayout};
 //!
 //! let layout = KvLayout { num_regions: 2, num_blocks: 64, block_len_bytes: 65536, block_size_tokens: 16 };
 //! // The engine owns its KV memory as memfds and keeps using it; the agent maps the same pages.
@@ -30,7 +30,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvloop_dataplane::{BlockPair, HostRegion, KvLayout, OwnerNotify};
+use kvloop_kv_types::{BlockPair, HostRegion, KvLayout, OwnerNotify};
 use tokio::net::UnixStream;
 use tokio::sync::Mutex;
 

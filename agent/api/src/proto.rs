@@ -11,7 +11,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-use kvloop_dataplane::{BlockPair, KvLayout, OwnerNotify};
+use kvloop_kv_types::{BlockPair, KvLayout, OwnerNotify};
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use serde::{Deserialize, Serialize};
 use tokio::io::Interest;
@@ -301,8 +301,8 @@ pub struct ReadDone {
     pub elapsed_us: u64,
 }
 
-impl From<kvloop_dataplane::ReadOutcome> for ReadDone {
-    fn from(o: kvloop_dataplane::ReadOutcome) -> Self {
+impl From<kvloop_kv_types::ReadOutcome> for ReadDone {
+    fn from(o: kvloop_kv_types::ReadOutcome) -> Self {
         Self {
             xfer_id: o.xfer_id,
             bytes: o.bytes,

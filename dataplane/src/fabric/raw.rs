@@ -5,7 +5,9 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use super::{Endpoint, FabricConfig, Mr, OpCtx, fi_error_string, sys};
+use super::FabricConfig;
+use super::ffi::{Endpoint, Mr, fi_error_string, sys};
+use super::state::OpCtx;
 use crate::backend::{BackendMetadata, RemoteRegion};
 use crate::error::{DataplaneError, Result};
 use crate::region::RegionDesc;
@@ -97,6 +99,7 @@ impl RawReader {
                         });
                     }
                     let ctx = Box::into_raw(Box::new(OpCtx {
+                        // SAFETY: fi_context2 is plain provider scratch space; all-zero is valid.
                         ctx: unsafe { std::mem::zeroed() },
                         read_id: next as u64,
                     }));

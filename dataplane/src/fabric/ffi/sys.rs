@@ -6,6 +6,7 @@
     non_snake_case,
     dead_code,
     clippy::all,
+    clippy::undocumented_unsafe_blocks,
     unsafe_op_in_unsafe_fn,
     missing_docs
 )]

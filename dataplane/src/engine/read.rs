@@ -1,0 +1,252 @@
+//! READ requests and their outcome, the bounds checks done before anything
+//! is posted, and [`TransferEngine::read`].
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvloop_common::{ReadProbeArgs, status};
+
+use super::TransferEngine;
+use tokio::sync::mpsc;
+
+use crate::backend::{Completion, PeerSlot};
+use crate::error::{DataplaneError, Result, Side};
+use crate::layout::{BlockPair, KvLayout, Segment, segments};
+use crate::notify::format_notification;
+use crate::quarantine::PendingRead;
+use crate::sidechannel::Message;
+
+pub use kvloop_kv_types::request::{OwnerNotify, ReadOutcome, ReadRequest};
+
+impl TransferEngine {
+    /// Reads `req.blocks` from `req.peer_engine_id` into local blocks.
+    ///
+    /// Every block id is checked against both layouts, and the peer must be
+    /// known, before anything is posted. The future resolves when every
+    /// operation completed, or with [`DataplaneError::Timeout`] after the
+    /// timeout; the local destination blocks of a timed-out READ stay
+    /// quarantined (refused as destinations) until the backend reports the
+    /// abandoned operations complete, so late data never lands in blocks that
+    /// were handed out again. On success, the owner is notified if asked.
+    ///
+    /// # Errors
+    /// [`DataplaneError::UnknownPeer`], [`DataplaneError::BlockOutOfRange`],
+    /// [`DataplaneError::DuplicateLocalBlock`], [`DataplaneError::BlockQuarantined`],
+    /// [`DataplaneError::Config`] (empty `blocks`), [`DataplaneError::Timeout`],
+    /// [`DataplaneError::Backend`], [`DataplaneError::PeerGone`].
+    pub async fn read(&self, req: &ReadRequest) -> Result<ReadOutcome> {
+        let inner = &self.inner;
+        let t = self.target(req)?;
+        let local_layout = inner.cfg.layout;
+        let segs = segments(&local_layout, &req.blocks);
+        let bytes = req.blocks.len() as u64 * local_layout.bytes_per_block_id();
+        let descriptors =
+            (req.blocks.len() as u64 * local_layout.num_regions as u64).min(u32::MAX as u64) as u32;
+        let xfer_id = inner.next_xfer.fetch_add(1, Ordering::Relaxed);
+        let mut probe = ReadProbeArgs {
+            xfer_id,
+            bytes,
+            descriptors,
+            direction: req.direction as u8,
+            backend: inner.backend.kind() as u8,
+            status: status::OK,
+            peer: ReadProbeArgs::peer_from_str(&req.peer_engine_id),
+        };
+        let timeout_ms = req.timeout_ms.unwrap_or(inner.cfg.read_timeout_ms);
+        let start = Instant::now();
+        kvloop_common::usdt::read_post(&probe);
+        // Wake the owner's serving-side progress for about the READ's duration
+        // (estimated at 1 GB/s, a low rate for the paths kvloop runs on).
+        if t.hint {
+            let _ = t.peer_tx.send(Message::ReadHint { bytes });
+        }
+        let locals: Vec<u64> = req.blocks.iter().map(|b| b.local).collect();
+        let result = match self
+            .post_and_wait(t.slot, &segs, xfer_id, locals, timeout_ms)
+            .await
+        {
+            Some(r) => r,
+            None => Err(DataplaneError::Timeout {
+                xfer_id,
+                engine_id: req.peer_engine_id.clone(),
+                timeout_ms,
+            }),
+        };
+        let elapsed = start.elapsed();
+        probe.status = probe_status(&result);
+        kvloop_common::usdt::read_done(&probe);
+        result?;
+        if let Some(n) = &req.notify {
+            let notif = format_notification(&n.owner_request_id, n.count);
+            if t.peer_tx.send(Message::Notify { notif }).is_err() {
+                tracing::warn!(peer = %req.peer_engine_id, "owner notification not sent: side channel closed");
+            }
+        }
+        Ok(ReadOutcome {
+            xfer_id,
+            bytes,
+            descriptors,
+            elapsed_us: elapsed.as_micros() as u64,
+        })
+    }
+
+    /// The peer of `req`, after checking its blocks against both layouts and
+    /// the quarantine.
+    fn target(&self, req: &ReadRequest) -> Result<Target> {
+        let inner = &self.inner;
+        let (t, remote_layout) = {
+            let peers = inner.peers.read();
+            let p = peers
+                .get(&req.peer_engine_id)
+                .ok_or_else(|| DataplaneError::UnknownPeer {
+                    engine_id: req.peer_engine_id.clone(),
+                })?;
+            let t = Target {
+                slot: p.slot,
+                peer_tx: p.tx.clone(),
+                hint: needs_serving_progress(&p.metadata.backend),
+            };
+            (t, p.metadata.layout)
+        };
+        validate_pairs(&inner.cfg.layout, &remote_layout, &req.blocks)?;
+        if let Some(block_id) = inner
+            .quarantine
+            .lock()
+            .first_quarantined(req.blocks.iter().map(|b| b.local))
+        {
+            return Err(DataplaneError::BlockQuarantined { block_id });
+        }
+        Ok(t)
+    }
+
+    /// Posts the READ and waits up to `timeout_ms` for its completion;
+    /// `None` when the time ran out. Dropped before the result arrives
+    /// (timeout, or this future dropped by its caller), the guard
+    /// quarantines the destination blocks `locals` until the backend
+    /// completes the READ.
+    async fn post_and_wait(
+        &self,
+        slot: PeerSlot,
+        segs: &[Segment],
+        xfer_id: u64,
+        locals: Vec<u64>,
+        timeout_ms: u64,
+    ) -> Option<Result<()>> {
+        let inner = &self.inner;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (mut pending, release) = PendingRead::new(&inner.quarantine, xfer_id, locals, rx);
+        inner
+            .backend
+            .post_read(slot, segs, Completion::with_release(tx, release));
+        let rx = pending
+            .rx
+            .as_mut()
+            .expect("receiver taken only by the guard");
+        let r = tokio::time::timeout(Duration::from_millis(timeout_ms), rx)
+            .await
+            .ok()?;
+        pending.rx = None;
+        Some(r.unwrap_or(Err(DataplaneError::Shutdown)))
+    }
+}
+
+/// The peer a READ goes to.
+struct Target {
+    slot: PeerSlot,
+    peer_tx: mpsc::UnboundedSender<Message>,
+    hint: bool,
+}
+
+/// The probe status of a READ's result.
+fn probe_status(result: &Result<()>) -> i16 {
+    match result {
+        Ok(()) => status::OK,
+        Err(DataplaneError::Timeout { .. }) => status::TIMED_OUT,
+        Err(DataplaneError::Shutdown) => status::CANCELLED,
+        Err(_) => status::IO_ERROR,
+    }
+}
+
+/// Whether READs from an engine with this backend need its serving side to
+/// make progress (and so a [`Message::ReadHint`]): libfabric providers other
+/// than `shm` (`tcp;ofi_rxm` moves data only while the target polls; EFA's
+/// protocol path likewise). `shm` READs are done by the reader (CMA) and NIXL
+/// runs its own progress thread.
+fn needs_serving_progress(md: &crate::backend::BackendMetadata) -> bool {
+    matches!(md, crate::backend::BackendMetadata::Libfabric { provider, .. } if provider != "shm")
+}
+
+/// Checks every pair against both layouts, and that no local block is written
+/// twice, before anything is posted.
+///
+/// # Errors
+/// [`DataplaneError::Config`] for an empty list, [`DataplaneError::BlockOutOfRange`]
+/// naming `blocks[i].remote` / `blocks[i].local`, [`DataplaneError::DuplicateLocalBlock`].
+pub fn validate_pairs(local: &KvLayout, remote: &KvLayout, pairs: &[BlockPair]) -> Result<()> {
+    if pairs.is_empty() {
+        return Err(DataplaneError::Config {
+            field: "blocks",
+            expected: "at least one (remote, local) block pair".into(),
+        });
+    }
+    let mut seen: HashMap<u64, usize> = HashMap::with_capacity(pairs.len());
+    for (i, p) in pairs.iter().enumerate() {
+        remote.check_block(Side::Remote, || format!("blocks[{i}].remote"), p.remote)?;
+        local.check_block(Side::Local, || format!("blocks[{i}].local"), p.local)?;
+        if let Some(first) = seen.insert(p.local, i) {
+            return Err(DataplaneError::DuplicateLocalBlock {
+                block_id: p.local,
+                first,
+                second: i,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn l(n: u32) -> KvLayout {
+        KvLayout {
+            num_regions: 2,
+            num_blocks: n,
+            block_len_bytes: 4096,
+            block_size_tokens: 16,
+        }
+    }
+
+    #[test]
+    fn pairs_are_checked_against_both_layouts() {
+        let ok = [BlockPair {
+            remote: 9,
+            local: 3,
+        }];
+        validate_pairs(&l(4), &l(10), &ok).unwrap();
+        let e = validate_pairs(&l(4), &l(8), &ok).unwrap_err().to_string();
+        assert!(
+            e.contains("blocks[0].remote") && e.contains("remote layout"),
+            "{e}"
+        );
+        let e = validate_pairs(&l(2), &l(10), &ok).unwrap_err().to_string();
+        assert!(
+            e.contains("blocks[0].local") && e.contains("local layout"),
+            "{e}"
+        );
+        let dup = [
+            BlockPair {
+                remote: 1,
+                local: 0,
+            },
+            BlockPair {
+                remote: 2,
+                local: 0,
+            },
+        ];
+        let e = validate_pairs(&l(4), &l(4), &dup).unwrap_err().to_string();
+        assert!(e.contains("local block 0 appears twice"), "{e}");
+        let e = validate_pairs(&l(4), &l(4), &[]).unwrap_err().to_string();
+        assert!(e.contains("`blocks`"), "{e}");
+    }
+}

@@ -1,0 +1,118 @@
+//! The progress thread: both the reader and the serving side need it
+//! (`tcp;ofi_rxm` moves nothing otherwise).
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::state::{OpCtx, Shared};
+
+/// The progress thread's loop: polls the CQ and resolves READs; spins
+/// while operations are outstanding, for `spin_us` after activity and while
+/// a reader's hint is in force; otherwise parks with a backoff.
+pub(crate) fn progress_loop(s: &Shared) {
+    let mut out = Vec::with_capacity(32);
+    let spin = Duration::from_micros(s.cfg.spin_us);
+    let min_sleep = Duration::from_micros(s.cfg.idle_sleep_us.max(1));
+    let max_sleep = Duration::from_micros(s.cfg.idle_sleep_max_us.max(s.cfg.idle_sleep_us).max(1));
+    let mut sleep = min_sleep;
+    let mut last_activity = Instant::now();
+    while !s.stop.load(Ordering::Acquire) {
+        out.clear();
+        if s.ep.poll_cq(&mut out) > 0 {
+            last_activity = Instant::now();
+            sleep = min_sleep;
+            for (ctx, err) in out.drain(..) {
+                if ctx.is_null() {
+                    continue;
+                }
+                // SAFETY: every context we post is a Box<OpCtx> leaked at post
+                // time, and its completion is read exactly once.
+                let op = unsafe { Box::from_raw(ctx as *mut OpCtx) };
+                s.outstanding.fetch_sub(1, Ordering::AcqRel);
+                s.finish_ops(op.read_id, 1, err);
+            }
+            continue;
+        }
+        if s.outstanding.load(Ordering::Acquire) > 0 {
+            last_activity = Instant::now();
+            sleep = min_sleep;
+            std::hint::spin_loop();
+            continue;
+        }
+        if s.retired_any.load(Ordering::Acquire) {
+            s.reap_retired();
+        }
+        if s.cfg.busy_poll
+            || last_activity.elapsed() < spin
+            || (s.epoch.elapsed().as_nanos() as u64) < s.serve_until_ns.load(Ordering::Acquire)
+        {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Idle. With a CQ wait fd: block in poll(2) on it and on the waker
+        // eventfd (posting writes it), so remote READs served from our
+        // memory are progressed as soon as they arrive. Without one: wait on
+        // the waker (posting writes it), backing off from idle_sleep_us to
+        // idle_sleep_max_us; serving-side progress happens on each wake-up.
+        if let Some(fd) = s.ep.wait_fd {
+            if s.ep.try_wait() {
+                let mut fds = [
+                    libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                    libc::pollfd {
+                        fd: s.waker,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                ];
+                // SAFETY: polling two open fds through a live array of two
+                // pollfds; bounded timeout so `stop` is seen.
+                unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+                if fds[1].revents != 0 {
+                    let mut v: u64 = 0;
+                    // SAFETY: `waker` is our open eventfd; reading 8 bytes into a live u64.
+                    unsafe { libc::read(s.waker, &mut v as *mut u64 as *mut c_void, 8) };
+                }
+                last_activity = Instant::now();
+            }
+            continue;
+        }
+        idle_wait(s.waker, sleep);
+        if last_activity.elapsed() > Duration::from_millis(10) {
+            sleep = (sleep * 2).min(max_sleep);
+        }
+    }
+}
+
+/// Waits up to `timeout` for the waker eventfd, then drains it.
+///
+/// A relative `ppoll(2)` timeout, not `std::thread::park_timeout`: std's timed
+/// waits hand the kernel an absolute `CLOCK_MONOTONIC` deadline computed in
+/// user space, so a process whose user-space monotonic clock is offset (under
+/// libfaketime, which fakes `clock_gettime(CLOCK_MONOTONIC)` but not the
+/// kernel's clock) would sleep for the offset instead of `timeout`, and serve
+/// remote READs only when a hint wakes it (test: `reads_do_not_depend_on_the_owners_monotonic_clock`
+/// in `tests/tests/dataplane_e2e.rs`).
+fn idle_wait(waker: i32, timeout: Duration) {
+    let mut fds = [libc::pollfd {
+        fd: waker,
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: one open fd in a live array of one pollfd; `ts` lives for the
+    // call; a null signal mask leaves the mask unchanged.
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), 1, &ts, std::ptr::null()) };
+    if n > 0 && fds[0].revents != 0 {
+        let mut v: u64 = 0;
+        // SAFETY: `waker` is our open non-blocking eventfd; reading 8 bytes
+        // into a live u64.
+        unsafe { libc::read(waker, &mut v as *mut u64 as *mut c_void, 8) };
+    }
+}

@@ -1,0 +1,129 @@
+//! State shared by the libfabric backend and its progress thread: the
+//! endpoint and registrations, the peer table, and the READs in flight.
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::config::FabricConfig;
+use super::ffi::{Endpoint, Mr, sys};
+use crate::backend::{Completion, RemoteRegion};
+use crate::error::DataplaneError;
+
+/// Per-operation context handed to libfabric. `ctx` comes first so that the
+/// provider's `FI_CONTEXT`/`FI_CONTEXT2` scratch space is the struct's start.
+#[repr(C)]
+pub(crate) struct OpCtx {
+    /// Provider scratch space.
+    pub(crate) ctx: sys::fi_context2,
+    /// The READ this operation belongs to.
+    pub(crate) read_id: u64,
+}
+
+/// A READ whose operations are not all finished.
+pub(crate) struct Pending {
+    /// Operations not finished yet.
+    pub(crate) remaining: usize,
+    /// The first error seen.
+    pub(crate) error: Option<DataplaneError>,
+    /// Resolved when `remaining` reaches 0.
+    pub(crate) done: Option<Completion>,
+}
+
+/// A peer inserted into the AV.
+pub(crate) struct PeerEntry {
+    /// Its AV address.
+    pub(crate) fi_addr: u64,
+    /// Its registered regions, in layout order.
+    pub(crate) regions: Vec<RemoteRegion>,
+    /// Set when the peer is being removed: a READ retrying `-FI_EAGAIN` on
+    /// it (a dead connection never drains) gives up instead of holding the
+    /// peer table for the whole retry window.
+    pub(crate) gone: AtomicBool,
+}
+
+/// State shared by the backend handle and its progress thread.
+pub(crate) struct Shared {
+    // Field order is drop order: registrations close before the endpoint.
+    pub(crate) mrs: Vec<Mr>,
+    pub(crate) ep: Endpoint,
+    /// Peers by slot. READs are posted under the read lock, so a peer is
+    /// never removed while one of its READs is being posted.
+    pub(crate) peers: RwLock<Vec<Option<PeerEntry>>>,
+    /// AV entries of removed peers, handed to `fi_av_remove` only once no
+    /// operation is outstanding: removing an address under in-flight READs
+    /// to it crashes inside tcp;ofi_rxm (seen on libfabric 1.17 when a peer
+    /// agent exited while this one was probing it).
+    pub(crate) retired: Mutex<Vec<u64>>,
+    /// `retired` is not empty (checked by the progress loop without locking).
+    pub(crate) retired_any: AtomicBool,
+    pub(crate) pending: Mutex<HashMap<u64, Pending>>,
+    pub(crate) outstanding: AtomicUsize,
+    pub(crate) next_read: AtomicU64,
+    pub(crate) stop: AtomicBool,
+    /// eventfd that posters write to wake a progress thread blocked in poll(2).
+    pub(crate) waker: i32,
+    /// Spin (serve) until this many ns after `epoch`: set by [`TransferBackend::kick`].
+    pub(crate) serve_until_ns: AtomicU64,
+    pub(crate) epoch: Instant,
+    pub(crate) cfg: FabricConfig,
+}
+
+impl Shared {
+    /// Accounts `ops` operations of READ `read_id` as finished (completed, or
+    /// never posted), keeping the first error; resolves the READ when none
+    /// remain.
+    pub(crate) fn finish_ops(&self, read_id: u64, ops: usize, err: Option<DataplaneError>) {
+        let mut pending = self.pending.lock();
+        let Some(p) = pending.get_mut(&read_id) else {
+            return;
+        };
+        if p.error.is_none() {
+            p.error = err;
+        }
+        p.remaining -= ops;
+        if p.remaining == 0 {
+            let p = pending.remove(&read_id).unwrap();
+            drop(pending);
+            if let Some(done) = p.done {
+                done.complete(match p.error {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                });
+            }
+        }
+    }
+
+    /// Removes retired AV entries if nothing is outstanding.
+    pub(crate) fn reap_retired(&self) {
+        if self.outstanding.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let mut r = self.retired.lock();
+        // Re-check under the lock: a READ to a retired address cannot be
+        // posted any more (its slot is gone), so `outstanding` reaching 0
+        // means the retired addresses carry nothing in flight.
+        if self.outstanding.load(Ordering::Acquire) == 0 {
+            for fi_addr in r.drain(..) {
+                self.ep.remove_peer(fi_addr);
+            }
+            self.retired_any.store(false, Ordering::Release);
+        }
+    }
+
+    /// Wakes the progress thread (waiting in ppoll(2) or poll(2) on `waker`).
+    pub(crate) fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: `waker` is our open eventfd; writing 8 bytes from a live u64.
+        unsafe { libc::write(self.waker, &one as *const u64 as *const c_void, 8) };
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: `waker` is our eventfd, closed once, here.
+        unsafe { libc::close(self.waker) };
+    }
+}
