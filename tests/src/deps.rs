@@ -107,7 +107,10 @@ pub fn require_gpu(test: &str) {
         .stderr(Stdio::null())
         .output()
         .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("GPU"));
-    assert!(ok, "{test}: needs an NVIDIA GPU (`nvidia-smi -L` lists none)");
+    assert!(
+        ok,
+        "{test}: needs an NVIDIA GPU (`nvidia-smi -L` lists none)"
+    );
 }
 
 #[cfg(test)]

@@ -400,16 +400,27 @@ pub struct NixlReqInfo {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: all of these are #[repr(C)], Copy, and valid for any bit pattern.
+    // Every type below is #[repr(C)], Copy, made of integers and byte arrays
+    // only, hence valid for any bit pattern (what aya::Pod requires).
+    // SAFETY: ProbeConfig is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for ProbeConfig {}
+    // SAFETY: PendingKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for PendingKey {}
+    // SAFETY: PendingXfer is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for PendingXfer {}
+    // SAFETY: XferHistKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for XferHistKey {}
+    // SAFETY: LatencyHist is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for LatencyHist {}
+    // SAFETY: PrefillHistKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for PrefillHistKey {}
+    // SAFETY: RetransmitKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for RetransmitKey {}
+    // SAFETY: NixlReqInfo is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for NixlReqInfo {}
+    // SAFETY: NixlCallArgs is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for NixlCallArgs {}
+    // SAFETY: KvSlot is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for KvSlot {}
 }
 

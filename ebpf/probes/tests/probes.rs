@@ -218,7 +218,10 @@ fn within_tolerance(
 #[test]
 #[ignore = "needs root (eBPF: CAP_BPF, CAP_PERFMON), tracefs and BTF"]
 fn usdt_read_latency_matches_userspace() {
-    let p = load("usdt_read_latency_matches_userspace", ProbeConfig::default());
+    let p = load(
+        "usdt_read_latency_matches_userspace",
+        ProbeConfig::default(),
+    );
     let peer = "decode-usdt-test";
     let mut total = 0;
     within_tolerance(
@@ -391,7 +394,10 @@ fn serve(listener: TcpListener, delay: Duration, requests: usize, tx: mpsc::Send
 #[test]
 #[ignore = "needs root (eBPF: CAP_BPF, CAP_PERFMON), tracefs and BTF"]
 fn prefill_latency_and_token_attribution() {
-    let p = load("prefill_latency_and_token_attribution", ProbeConfig::default());
+    let p = load(
+        "prefill_latency_and_token_attribution",
+        ProbeConfig::default(),
+    );
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     p.prefill_port(port).unwrap();
