@@ -32,7 +32,7 @@ fi
 cargo test -p kvloop-dataplane --features cuda --test cuda -- "${gpu_args[@]}" 2>&1 \
   | tee "$LOG/gpu.log" || status=1
 
-deploy/tests/run.sh -rs 2>&1 | tee "$LOG/deploy.log" || status=1
+deploy/tests/run.sh 2>&1 | tee "$LOG/deploy.log" || status=1
 
 # Sums of the `test result:` lines of a cargo test log: "passed failed ignored".
 counts() {
