@@ -2,6 +2,27 @@
 //! `postXferReq` and `getXferStatus` in `libnixl.so`. A transfer starts at
 //! the post and ends at the first status other than "in progress" (the
 //! post's own return or a later `getXferStatus`).
+//!
+//! At the post the request handle (`nixlXferReqH`) gives the transfer's
+//! operation (READ/WRITE), its local descriptors (count and bytes) and the
+//! remote agent's name, whichever call made the handle (`createXferReq`, or
+//! `makeXferReq` from prepared lists as vLLM's NIXL connector does).
+//! The descriptors are those NIXL posts to the backend, after it merged
+//! contiguous ones (the count NIXL's own telemetry, `descCount`, reports).
+//!
+//! Layout of `nixlXferReqH` (NIXL `src/core/transfer_request.h`) in the
+//! NIXL 1.5.1 builds kvloop and vLLM use (`nixl-cu12` and `nixl-cu13` 1.5.1
+//! wheels, x86-64, libstdc++): `engine` at 0x00, `backendHandle` 0x08,
+//! `initiatorDescs` (a `nixlDescList<nixlMetaDesc>`: vtable pointer, `type`,
+//! then the `std::vector`'s begin/end/capacity) at 0x10 with the vector at
+//! 0x20/0x28, `targetDescs` at 0x38, `remoteAgent` (`std::string`, cxx11 ABI:
+//! data pointer, then length) at 0x60, `backendOp` (`nixl_xfer_op_t`) at
+//! 0xb4. `nixlMetaDesc` is `nixlBasicDesc` {addr, len, devId: 8 bytes each}
+//! plus a metadata pointer: 32 bytes, `len` at 8. Checked against the
+//! wheels' `libnixl.so` (`nixlAgent::postXferReq` hands `&req->backendOp`,
+//! `req + 0x10`, `req + 0x38`, `req + 0x60` and `req + 0x08` to the backend;
+//! `createXferReq` counts `(*(req + 0x28) - *(req + 0x20)) >> 5`
+//! descriptors); `ebpf/probes/tests/probes.rs` checks the values end to end.
 use aya_ebpf::{
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
@@ -12,8 +33,8 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
 };
 use kvloop_common::{
-    BackendKind, Direction, NixlCallArgs, NixlReqInfo, PEER_LEN, PendingKey, PendingXfer, counter,
-    enable, site,
+    BackendKind, Direction, NixlCallArgs, NixlReqInfo, PEER_LEN, PendingKey, PendingXfer, XferOp,
+    counter, enable, site,
 };
 
 use crate::maps::{bump, config, tgid};
@@ -33,6 +54,25 @@ static NIXL_REQS: LruHashMap<u64, NixlReqInfo> = LruHashMap::with_max_entries(65
 
 /// NIXL status values (`nixl_status_t`): 0 success, 1 in progress, < 0 error.
 const NIXL_IN_PROG: i32 = 1;
+
+/// Offsets in `nixlXferReqH` (module docs): the initiator descriptors'
+/// vector (begin, end pointers).
+const REQ_DESCS_BEGIN: u64 = 0x20;
+const REQ_DESCS_END: u64 = 0x28;
+/// `remoteAgent` (`std::string`: data pointer, then length).
+const REQ_REMOTE_AGENT: u64 = 0x60;
+/// `backendOp` (`nixl_xfer_op_t`, 4 bytes).
+const REQ_BACKEND_OP: u64 = 0xb4;
+/// `sizeof(nixlMetaDesc)` and the offset of its `len`.
+const META_DESC_SIZE: u64 = 32;
+const META_DESC_LEN: u64 = 8;
+/// Descriptors whose lengths are summed one by one (a bounded loop for the
+/// verifier); beyond this the byte count is extrapolated from the mean
+/// length of these (KV descriptors of one transfer have equal lengths).
+const MAX_SUMMED_DESCS: u64 = 512;
+/// More descriptors than this in one request means the handle was not
+/// read right (a layout NIXL no longer has): nothing is reported.
+const MAX_PLAUSIBLE_DESCS: u64 = 1 << 24;
 
 #[inline(always)]
 fn xfer_begin(key: &PendingKey, v: &PendingXfer) {
@@ -168,15 +208,93 @@ pub fn nixl_post_enter(ctx: ProbeContext) -> u32 {
         descriptors: 0,
         direction: Direction::Unknown as u8,
         backend: BackendKind::Nixl as u8,
-        _pad: [0; 2],
+        op: XferOp::Unknown as u8,
+        _pad: [0; 1],
         peer: [0; PEER_LEN],
     };
     if let Some(info) = NIXL_REQS.get_ptr(req) {
         // SAFETY: map value pointer, valid for this run; a byte array.
         v.peer = unsafe { (*info).peer };
     }
+    read_request(req, &mut v);
     xfer_begin(&nixl_key(req), &v);
     0
+}
+
+/// Reads the operation, descriptor count, bytes and remote agent name of
+/// the request handle at `req` (layout in the module docs) into `v`; fields
+/// it cannot read stay as they are.
+#[inline(always)]
+fn read_request(req: u64, v: &mut PendingXfer) {
+    // SAFETY (every read below): bpf_probe_read_user reads any user address
+    // with fault handling (an unmapped one is an error, left unread); the
+    // values are plain integers, any bits are valid.
+    // SAFETY: see above.
+    if let Ok(op) = unsafe { bpf_probe_read_user((req + REQ_BACKEND_OP) as *const u32) } {
+        v.op = XferOp::from_nixl(op) as u8;
+    }
+    // SAFETY: see above.
+    let begin = unsafe { bpf_probe_read_user((req + REQ_DESCS_BEGIN) as *const u64) }.unwrap_or(0);
+    // SAFETY: see above.
+    let end = unsafe { bpf_probe_read_user((req + REQ_DESCS_END) as *const u64) }.unwrap_or(0);
+    if begin != 0 && end >= begin {
+        let count = (end - begin) / META_DESC_SIZE;
+        if count <= MAX_PLAUSIBLE_DESCS {
+            let summed = if count < MAX_SUMMED_DESCS {
+                count
+            } else {
+                MAX_SUMMED_DESCS
+            };
+            let mut bytes = 0u64;
+            let mut read = 0u64;
+            let mut i = 0u64;
+            while i < MAX_SUMMED_DESCS {
+                if i >= summed {
+                    break;
+                }
+                let at = begin + i * META_DESC_SIZE + META_DESC_LEN;
+                // SAFETY: see above.
+                match unsafe { bpf_probe_read_user(at as *const u64) } {
+                    Ok(len) => bytes = bytes.wrapping_add(len),
+                    Err(_) => break,
+                }
+                read += 1;
+                i += 1;
+            }
+            if read == summed {
+                if count > summed && summed > 0 {
+                    bytes = bytes / summed * count;
+                }
+                v.bytes = bytes;
+                v.descriptors = count as u32;
+            } else {
+                bump(counter::READ_FAILED);
+            }
+        }
+    }
+    // libstdc++ (cxx11 ABI) std::string: { char *data; size_t len; ... }
+    // SAFETY: see above.
+    let data = unsafe { bpf_probe_read_user((req + REQ_REMOTE_AGENT) as *const u64) }.unwrap_or(0);
+    // SAFETY: see above.
+    let len =
+        unsafe { bpf_probe_read_user((req + REQ_REMOTE_AGENT + 8) as *const u64) }.unwrap_or(0);
+    if data != 0 && len > 0 {
+        let n = if len > PEER_LEN as u64 {
+            PEER_LEN as u32
+        } else {
+            len as u32
+        };
+        if n > 0 && n <= PEER_LEN as u32 {
+            let mut peer = [0u8; PEER_LEN];
+            // SAFETY: the helper writes at most `n` <= PEER_LEN bytes into
+            // `peer` (PEER_LEN bytes) and reads the user string with fault
+            // handling.
+            let rc = unsafe { raw_read_user(peer.as_mut_ptr() as *mut _, n, data as *const _) };
+            if rc == 0 {
+                v.peer = peer;
+            }
+        }
+    }
 }
 
 #[inline(always)]

@@ -9,7 +9,8 @@ use aya_ebpf::{
     programs::ProbeContext,
 };
 use kvloop_common::{
-    KV_SLOTS, KV_SLOTS_LOG2, KvSlot, PendingKey, PendingXfer, ReadProbeArgs, counter, enable, site,
+    KV_SLOTS, KV_SLOTS_LOG2, KvSlot, PendingKey, PendingXfer, ReadProbeArgs, XferOp, counter,
+    enable, site,
 };
 
 use crate::maps::{bump, config, tgid};
@@ -112,7 +113,8 @@ pub fn kvloop_read_done(ctx: ProbeContext) -> u32 {
         descriptors: a.descriptors,
         direction: a.direction,
         backend: a.backend,
-        _pad: [0; 2],
+        op: XferOp::Unknown as u8,
+        _pad: [0; 1],
         peer: a.peer,
     };
     xfer_finish(&key, &pend, a.status as i32, now);

@@ -62,7 +62,8 @@ pub fn xfer_finish(key: &PendingKey, pend: &PendingXfer, status: i32, now: u64) 
                 direction: pend.direction,
                 backend: pend.backend,
                 site: key.site as u8,
-                _pad: [0; 5],
+                op: pend.op,
+                _pad: [0; 4],
                 peer: pend.peer,
             });
             e.submit(submit_flags());

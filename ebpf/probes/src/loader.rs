@@ -322,6 +322,7 @@ impl Probes {
             bytes: args.bytes,
             descriptors: args.descriptors,
             direction: kvloop_common::Direction::from_u8(args.direction),
+            op: kvloop_common::XferOp::Unknown,
             peer: crate::state::peer_str(&args.peer),
             status: args.status as i32,
         };

@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use kvloop_common::{
     Direction, LAT_SLOTS, LatencyHist, PEER_LEN, PrefillEvent, RetransmitKey, SIZE_CLASS_UNKNOWN,
-    XferEvent, XferHistKey, lat_slot, site,
+    XferEvent, XferHistKey, XferOp, lat_slot, site,
 };
 
 use crate::Source;
@@ -143,12 +143,15 @@ pub struct XferSample {
     pub start_ns: u64,
     /// Post → completion, ns.
     pub latency_ns: u64,
-    /// Payload bytes; 0 = unknown (NIXL library probes).
+    /// Payload bytes; 0 = unknown (the NIXL library probes read them from
+    /// the request's local descriptors).
     pub bytes: u64,
     /// Descriptor count; 0 = unknown.
     pub descriptors: u32,
-    /// Direction of the READ.
+    /// Direction of the READ (kvloop sites; `Unknown` at the NIXL library).
     pub direction: Direction,
+    /// NIXL operation (READ/WRITE) at the NIXL library; `Unknown` elsewhere.
+    pub op: XferOp,
     /// Peer engine id / NIXL remote agent name ("" when unknown).
     pub peer: String,
     /// 0 = success; negative errno-style (kvloop) or `nixl_status_t` (NIXL).
@@ -167,6 +170,7 @@ impl XferSample {
             bytes: e.bytes,
             descriptors: e.descriptors,
             direction: Direction::from_u8(e.direction),
+            op: XferOp::from_u8(e.op),
             peer: peer_str(&e.peer),
             status: e.status,
         }

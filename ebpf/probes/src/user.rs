@@ -77,6 +77,7 @@ mod tests {
             bytes: 1,
             descriptors: 1,
             direction: Direction::Unknown,
+            op: kvloop_common::XferOp::Unknown,
             peer: String::new(),
             status: 0,
         };

@@ -25,7 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvloop_common::Direction;
+use kvloop_common::{Direction, XferOp};
 use kvloop_probes::{Event, ProbeConfig, Probes, Source, TraceFilter};
 
 const HELPER: &str = env!("CARGO_BIN_EXE_kvloop-probe-helper");
@@ -337,6 +337,13 @@ fn nixl_read_probed_at_library() {
                 assert_eq!(k.site, "nixl");
                 assert_eq!(k.status, 0);
                 assert_eq!(k.tgid, h.pid);
+                // read from the request handle at the post: one 1 MiB
+                // descriptor READ from agent "kvloop-target"
+                assert_eq!(k.op, XferOp::Read, "{k:?}");
+                assert_eq!(k.bytes, 1_048_576, "{k:?}");
+                assert_eq!(k.descriptors, 1, "{k:?}");
+                assert_eq!(k.peer, "kvloop-target", "{k:?}");
+                assert!(Event::Xfer(k.clone()).line().contains("dir=read"), "{k:?}");
             }
             // one READ at a time: events arrive in READ order
             let mut pairs = Vec::new();
@@ -359,10 +366,53 @@ fn nixl_read_probed_at_library() {
         snap.xfer_histograms.iter().any(|(l, h)| l.site == "nixl"
             && l.peer == "kvloop-target"
             && h.count == total
-            && l.size_class.is_none()),
+            && h.sum_bytes == total * 1_048_576
+            && l.size_class == Some(20)),
         "{:?}",
         snap.xfer_histograms
     );
+}
+
+/// Transfers made as vLLM's NIXL connector makes them (prepared descriptor
+/// lists, `makeXferReq`), WRITE and READ in turn, 3 descriptors of 64 KiB
+/// each, not contiguous (NIXL merges contiguous ones): the library probes report the operation, bytes, descriptor count
+/// and remote agent of every one, read from the request handle at the post.
+#[test]
+#[ignore = "needs root (eBPF) and the NIXL runtime (scripts/bootstrap.sh nixl)"]
+fn nixl_prepped_transfers_report_op_bytes_descs_and_peer() {
+    let test = "nixl_prepped_transfers_report_op_bytes_descs_and_peer";
+    let (libs, env) = nixl(test);
+    let p = load(test, ProbeConfig::default());
+    let mut h = Helper::spawn(&["nixl-prepped", "6", "3", "65536"], &env);
+    p.attach_nixl(libs.join("libnixl.so"), Some(h.pid))
+        .expect("attach NIXL");
+    let mut trace = p.trace(TraceFilter::default());
+    let user = h.run();
+    assert_eq!(user.len(), 6);
+    let kernel: Vec<_> = collect_xfers(&mut trace, user.len())
+        .into_iter()
+        .filter(|s| s.tgid == h.pid)
+        .collect();
+    assert_eq!(kernel.len(), user.len(), "{kernel:#?}");
+    // one transfer at a time: events arrive in transfer order
+    for (i, k) in kernel.iter().enumerate() {
+        let want = if i % 2 == 0 {
+            XferOp::Write
+        } else {
+            XferOp::Read
+        };
+        assert_eq!(k.site, "nixl", "{k:?}");
+        assert_eq!(k.status, 0, "{k:?}");
+        assert_eq!(k.op, want, "transfer {i}: {k:?}");
+        assert_eq!(k.bytes, 3 * 65536, "transfer {i}: {k:?}");
+        assert_eq!(k.descriptors, 3, "transfer {i}: {k:?}");
+        assert_eq!(k.peer, "kvloop-target", "transfer {i}: {k:?}");
+        let line = Event::Xfer(k.clone()).line();
+        assert!(
+            line.contains(&format!("dir={}", want.label())) && line.contains("descs=3"),
+            "{line}"
+        );
+    }
 }
 
 /// Server on loopback answering each request after `delay`; returns the
@@ -569,7 +619,28 @@ fn dataplane_nixl_reads_seen_at_library_and_sites() {
             !s.peer.is_empty(),
             "NIXL remote agent name captured at createXferReq"
         );
+        // from the request handle: a READ with its descriptors and bytes
+        assert_eq!(s.op, XferOp::Read, "{s:?}");
+        assert!(s.bytes > 0 && s.descriptors > 0, "{s:?}");
+        // the dataplane names its NIXL agent `<engine id>-<pid>`
+        assert!(s.peer.starts_with("decode-0"), "{s:?}");
     }
+    let sum = |v: &[&kvloop_probes::XferSample]| {
+        (
+            v.iter().map(|s| s.bytes).sum::<u64>(),
+            v.iter().map(|s| u64::from(s.descriptors)).sum::<u64>(),
+        )
+    };
+    let (nixl_bytes, nixl_descs) = sum(&nixl);
+    let (site_bytes, site_descs) = sum(&sites);
+    assert_eq!(
+        nixl_bytes, site_bytes,
+        "bytes at the NIXL library and at the dataplane's sites"
+    );
+    assert_eq!(
+        nixl_descs, site_descs,
+        "descriptors at the NIXL library and at the dataplane's sites"
+    );
 }
 
 /// A network namespace with one end of a veth pair; removed on drop.
