@@ -70,8 +70,9 @@ const META_DESC_LEN: u64 = 8;
 /// verifier); beyond this the byte count is extrapolated from the mean
 /// length of these (KV descriptors of one transfer have equal lengths).
 const MAX_SUMMED_DESCS: u64 = 512;
-/// More descriptors than this in one request means the handle was not
-/// read right (a layout NIXL no longer has): nothing is reported.
+/// More descriptors than this in one request, or a vector whose size is not
+/// a multiple of `META_DESC_SIZE`, means the handle was not read right (a
+/// layout NIXL no longer has): no bytes or descriptors are reported.
 const MAX_PLAUSIBLE_DESCS: u64 = 1 << 24;
 
 #[inline(always)]
@@ -237,7 +238,7 @@ fn read_request(req: u64, v: &mut PendingXfer) {
     let begin = unsafe { bpf_probe_read_user((req + REQ_DESCS_BEGIN) as *const u64) }.unwrap_or(0);
     // SAFETY: see above.
     let end = unsafe { bpf_probe_read_user((req + REQ_DESCS_END) as *const u64) }.unwrap_or(0);
-    if begin != 0 && end >= begin {
+    if begin != 0 && end >= begin && (end - begin) % META_DESC_SIZE == 0 {
         let count = (end - begin) / META_DESC_SIZE;
         if count <= MAX_PLAUSIBLE_DESCS {
             let summed = if count < MAX_SUMMED_DESCS {
