@@ -13,7 +13,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, free_port, have_root, in_ci};
+use common::{AgentProc, free_port, require_root, require_tool};
 use kvloop_agent::client::AgentClient;
 use kvloop_agent::proto::{CudaIpcRegion, ReadDirection, RegionSource, Request};
 use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
@@ -145,23 +145,10 @@ http = "127.0.0.1:{hb}"
     assert!(a.stop(), "agent exits cleanly on SIGTERM");
 }
 
-fn have_setpriv(test: &str) -> bool {
-    if !have_root(test) {
-        return false;
-    }
-    let ok = Command::new("setpriv")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok || !in_ci(),
-        "{test}: needs util-linux's setpriv and CI=true"
-    );
-    if !ok {
-        eprintln!("SKIPPED {test}: needs util-linux's setpriv");
-    }
-    ok
+/// Fails the test unless it runs as root with util-linux's `setpriv`.
+fn need_setpriv(test: &str) {
+    require_root(test);
+    require_tool(test, "setpriv", "util-linux");
 }
 
 fn agent_toml(dir: &std::path::Path, name: &str, http: u16, extra: &str) -> std::path::PathBuf {
@@ -186,10 +173,9 @@ enabled = false
 }
 
 #[test]
+#[ignore = "needs root and util-linux's setpriv"]
 fn require_ebpf_without_sys_admin_exits_naming_the_capability() {
-    if !have_setpriv("require_ebpf_without_sys_admin_exits_naming_the_capability") {
-        return;
-    }
+    need_setpriv("require_ebpf_without_sys_admin_exits_naming_the_capability");
     let dir = tempfile::tempdir().unwrap();
     let cfg = agent_toml(
         dir.path(),
@@ -236,10 +222,9 @@ fn require_ebpf_without_sys_admin_exits_naming_the_capability() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root and util-linux's setpriv"]
 async fn without_sys_admin_the_agent_times_its_own_reads_in_user_space() {
-    if !have_setpriv("without_sys_admin_the_agent_times_its_own_reads_in_user_space") {
-        return;
-    }
+    need_setpriv("without_sys_admin_the_agent_times_its_own_reads_in_user_space");
     let dir = tempfile::tempdir().unwrap();
     let (ha, hb) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
     let ca = agent_toml(

@@ -6,7 +6,7 @@
 //! raises the threshold the router holds within 10 s.
 //!
 //! Prints the convergence time and the threshold at three link rates.
-//! Needs root (namespaces, tc): fails in CI without it, skips outside.
+//! Needs root (namespaces, tc): `#[ignore]`d, fails when run without it.
 mod common;
 
 use std::io::{Read, Write};
@@ -15,7 +15,7 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, have_root, workspace_bin};
+use common::{AgentProc, require_root, workspace_bin};
 use kvloop_agent::client::AgentClient;
 use kvloop_cli::child::ReadyChild;
 use kvloop_cli::netns::NodePair;
@@ -210,10 +210,9 @@ async fn settle(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (network namespaces, tc)"]
 async fn lowering_the_link_rate_raises_the_pushed_threshold() {
-    if !have_root("lowering_the_link_rate_raises_the_pushed_threshold") {
-        return;
-    }
+    require_root("lowering_the_link_rate_raises_the_pushed_threshold");
     let pair = NodePair::create(9000 + std::process::id() % 900).expect("network namespaces");
     pair.limit_rate_b("1gbit").unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -188,6 +188,7 @@ async fn shm_both_directions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the NIXL runtime (scripts/bootstrap.sh nixl)"]
 async fn nixl_ucx_both_directions() {
     both_directions(BackendConfig::Nixl(NixlConfig::default())).await;
 }

@@ -1,11 +1,30 @@
-//! Helpers of kvloop's end-to-end tests: locating the workspace's binaries
-//! (built by `cargo build --workspace` before the tests, as `make test` does)
-//! and deciding what a missing real dependency means (a failure in CI).
+//! kvloop's test support, in one crate: child processes that announce
+//! readiness ([`ReadyChild`], [`NodeChild`]), two "nodes" in network
+//! namespaces ([`NodePair`]), free ports, the lookup of the workspace's
+//! binaries, and the policy for tests with a real dependency ([`deps`]).
+//!
+//! Policy (ARCHITECTURE.md, issue 11): a test that needs root, a tool or a
+//! runtime is marked `#[ignore = "needs root (network namespaces)"]`-style,
+//! `make test` runs it with `--include-ignored`, and when it runs without its
+//! dependency it fails with what is missing (`require_*` below panic). No
+//! test prints "SKIPPED" and passes.
+//!
+//! The `kvloop` CLI uses [`child`] and [`netns`] for its demos and benches
+//! (re-exported as `kvloop_cli::child` / `kvloop_cli::netns`), so this crate
+//! stays light: no dataplane, no probes.
+pub mod child;
+pub mod deps;
+pub mod netns;
+
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Command;
 
-pub use kvloop_cli::child::{NodeChild, ReadyChild};
-pub use kvloop_cli::netns::NodePair;
+pub use child::{NodeChild, ReadyChild};
+pub use deps::{
+    have_root, in_ci, is_root, nixl_env, nixl_libs, require_gpu, require_root, require_tool,
+};
+pub use netns::NodePair;
 
 /// Path of a workspace binary next to the running test (`target/<profile>/<name>`).
 ///
@@ -24,25 +43,17 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
-/// Whether tests run in CI (`CI=true`): there, a missing real dependency is a failure.
-pub fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// Whether the test may use root-only facilities (network namespaces, tc).
-/// Outside CI and without root the test says so on stderr and returns false
-/// (the caller returns early); in CI without root it panics.
-pub fn have_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    assert!(
-        !in_ci(),
-        "{test}: needs root (network namespaces) and CI=true: failing instead of skipping"
-    );
-    eprintln!("SKIPPED {test}: needs root (network namespaces); run as root or in CI");
-    false
+/// A TCP port on `ip` that was free a moment ago (bound to port 0, then
+/// released): another process may take it before the caller binds it, which
+/// on a test machine is rare enough.
+///
+/// # Panics
+/// When nothing can be bound on `ip` (the address is not local).
+pub fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .unwrap_or_else(|e| panic!("binding a free port on {ip}: {e}"))
+        .port()
 }
 
 /// `kvloop node <args>` as a command, optionally inside a namespace.
@@ -56,7 +67,8 @@ pub fn node_cmd(ns: Option<&str>, args: &[String]) -> Command {
     c
 }
 
-/// Engine flags for a test node.
+/// Engine flags for a test node: `blocks` blocks of `block_bytes` bytes in
+/// each of 2 regions, filled with the pattern of `tag`.
 pub fn node_args(
     engine_id: &str,
     listen: &str,
@@ -89,4 +101,23 @@ pub fn node_args(
         tag.to_string(),
     ])
     .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_bindable() {
+        let p = free_port("127.0.0.1");
+        assert_ne!(p, 0);
+        TcpListener::bind(("127.0.0.1", p)).expect("the port is free");
+    }
+
+    #[test]
+    fn node_args_name_every_flag() {
+        let a = node_args("e", "127.0.0.1:0", "nixl", "tcp", 4, 4096, 7);
+        assert_eq!(a[a.len() - 1], "7");
+        assert!(a.windows(2).any(|w| w == ["--num-blocks", "4"]));
+    }
 }

@@ -127,14 +127,14 @@ fn two_processes_shm() {
 }
 
 #[test]
+#[ignore = "needs the NIXL runtime (scripts/bootstrap.sh nixl)"]
 fn two_processes_nixl_ucx() {
+    nixl_libs("two_processes_nixl_ucx");
     loopback("nixl", "tcp;ofi_rxm");
 }
 
 fn across_namespaces(backend: &str, tag: u32) {
-    if !have_root("across_namespaces") {
-        return;
-    }
+    require_root("across_namespaces");
     let pair = NodePair::create(tag).unwrap();
     let (mut p, mut d) = spawn_pair(&PairSpec {
         netns: Some(&pair),
@@ -145,20 +145,22 @@ fn across_namespaces(backend: &str, tag: u32) {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces)"]
 fn two_namespaces_over_veth_tcp_rxm() {
     across_namespaces("libfabric", 9000 + std::process::id() % 500);
 }
 
 #[test]
+#[ignore = "needs root (network namespaces) and the NIXL runtime (scripts/bootstrap.sh nixl)"]
 fn two_namespaces_over_veth_nixl_ucx() {
+    nixl_libs("two_namespaces_over_veth_nixl_ucx");
     across_namespaces("nixl", 9500 + std::process::id() % 400);
 }
 
 #[test]
+#[ignore = "needs root (network namespaces)"]
 fn peer_killed_mid_read_fails_within_timeout() {
-    if !have_root("peer_killed_mid_read_fails_within_timeout") {
-        return;
-    }
+    require_root("peer_killed_mid_read_fails_within_timeout");
     let pair = NodePair::create(8000 + std::process::id() % 900).unwrap();
     // 48 blocks × 2 regions × 1 MiB = 96 MiB through a 40 Mbit/s link: ~20 s.
     pair.limit_rate_b("40mbit").unwrap();

@@ -13,6 +13,10 @@ use std::time::Duration;
 
 use kvloop_engine_sim::{KvMode, Role, SimConfig, SimHandle, TokenizerKind, spawn};
 use kvloop_tests::{ReadyChild, bin};
+
+fn free_port() -> u16 {
+    kvloop_tests::free_port("127.0.0.1")
+}
 use serde_json::{Value, json};
 
 /// A running `kvloop-agent`.
@@ -20,14 +24,6 @@ struct Agent {
     _child: ReadyChild,
     http: String,
     socket: PathBuf,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Starts two agents that know each other; returns (A, B).

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use kvloop_cli::child::ReadyChild;
 
-// Shared with the workspace's end-to-end tests (`tests/src/lib.rs`): CI
-// policy (a missing real dependency fails under CI=true) and binary lookup.
+// Shared with the workspace's end-to-end tests (`tests/src/lib.rs`):
+// dependency policy (a test without its dependency fails) and binary lookup.
 // Each test file includes this module and uses a different subset.
 #[allow(unused_imports)]
-pub use kvloop_tests::{bin as workspace_bin, have_root, in_ci};
+pub use kvloop_tests::{bin as workspace_bin, have_root, in_ci, require_root, require_tool};
 
 /// A free TCP port on `ip` (bound then released).
 pub fn free_port(ip: &str) -> u16 {

@@ -31,6 +31,50 @@ pub enum Direction {
     Probe = 3,
 }
 
+/// The operation of a NIXL transfer (`nixl_xfer_op_t`), as the NIXL library
+/// probes read it from the request handle; [`XferOp::Unknown`] at kvloop's
+/// own sites, which know the [`Direction`] instead.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum XferOp {
+    /// Not known (kvloop sites, or the request could not be read).
+    Unknown = 0,
+    /// `NIXL_READ`: the local agent reads the remote agent's memory.
+    Read = 1,
+    /// `NIXL_WRITE`: the local agent writes into the remote agent's memory.
+    Write = 2,
+}
+
+impl XferOp {
+    /// Decodes the event byte; unknown values map to [`XferOp::Unknown`].
+    pub const fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::Read,
+            2 => Self::Write,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// From NIXL's `nixl_xfer_op_t` value (`NIXL_READ` = 0, `NIXL_WRITE` = 1,
+    /// `src/api/cpp/nixl_types.h` of NIXL).
+    pub const fn from_nixl(v: u32) -> Self {
+        match v {
+            0 => Self::Read,
+            1 => Self::Write,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// Label used in traces: `read`, `write`, `unknown`.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Write => "write",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
 impl Direction {
     /// Decodes the wire byte; unknown values map to [`Direction::Unknown`].
     pub const fn from_u8(v: u8) -> Self {

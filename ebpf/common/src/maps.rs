@@ -183,7 +183,7 @@ pub struct PendingKey {
 pub struct PendingXfer {
     /// `bpf_ktime_get_ns()` at post, ns (CLOCK_MONOTONIC).
     pub start_ns: u64,
-    /// Payload bytes (0 when unknown, as at the NIXL library).
+    /// Payload bytes (0 when unknown).
     pub bytes: u64,
     /// Descriptor count (0 when unknown).
     pub descriptors: u32,
@@ -191,8 +191,10 @@ pub struct PendingXfer {
     pub direction: u8,
     /// [`crate::BackendKind`] byte.
     pub backend: u8,
+    /// [`crate::XferOp`] byte (NIXL library probes).
+    pub op: u8,
     /// Padding.
-    pub _pad: [u8; 2],
+    pub _pad: [u8; 1],
     /// Peer engine id / NIXL remote agent name, NUL-padded.
     pub peer: [u8; PEER_LEN],
 }
@@ -298,8 +300,10 @@ pub struct XferEvent {
     pub backend: u8,
     /// [`site`] value.
     pub site: u8,
+    /// [`crate::XferOp`] byte (NIXL library probes; 0 elsewhere).
+    pub op: u8,
     /// Padding.
-    pub _pad: [u8; 5],
+    pub _pad: [u8; 4],
     /// Peer engine id, NUL-padded.
     pub peer: [u8; PEER_LEN],
 }
@@ -400,16 +404,27 @@ pub struct NixlReqInfo {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: all of these are #[repr(C)], Copy, and valid for any bit pattern.
+    // Every type below is #[repr(C)], Copy, made of integers and byte arrays
+    // only, hence valid for any bit pattern (what aya::Pod requires).
+    // SAFETY: ProbeConfig is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for ProbeConfig {}
+    // SAFETY: PendingKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for PendingKey {}
+    // SAFETY: PendingXfer is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for PendingXfer {}
+    // SAFETY: XferHistKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for XferHistKey {}
+    // SAFETY: LatencyHist is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for LatencyHist {}
+    // SAFETY: PrefillHistKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for PrefillHistKey {}
+    // SAFETY: RetransmitKey is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for RetransmitKey {}
+    // SAFETY: NixlReqInfo is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for NixlReqInfo {}
+    // SAFETY: NixlCallArgs is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for NixlCallArgs {}
+    // SAFETY: KvSlot is #[repr(C)] plain old data (see above).
     unsafe impl aya::Pod for KvSlot {}
 }
 

@@ -29,15 +29,22 @@
 
 pub mod attribution;
 pub mod btf;
+mod config;
+mod drain;
+mod kernel;
 mod loader;
 mod metrics;
+mod nixl_lib;
+mod offsets;
 pub mod procfs;
 mod state;
 pub mod trace;
 pub mod tracefs;
+mod user;
 
 pub use attribution::{TokenCounts, Unattributed};
-pub use loader::{ProbeConfig, Probes, enable_run_time_stats};
+pub use config::ProbeConfig;
+pub use loader::{Probes, enable_run_time_stats};
 pub use state::{
     HistogramSnapshot, PrefillSample, RetransmitCount, Snapshot, XferHistLabels, XferSample,
 };

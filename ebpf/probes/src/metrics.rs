@@ -18,7 +18,6 @@
 //! log2 slots of the kernel histograms (upper bounds `2^(i+1)` ns).
 
 use std::collections::HashMap;
-use std::sync::Weak;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -26,20 +25,33 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-use crate::Probes;
-use crate::loader::Inner;
-use crate::state::HistogramSnapshot;
+use crate::Source;
+use crate::state::{HistogramSnapshot, Snapshot};
 
-#[derive(Debug)]
+/// Where the collector gets its data at scrape time: the histograms and
+/// counters, and the probes' source; `None` once the probes are dropped
+/// (nothing is encoded then).
+type SnapshotFn = dyn Fn() -> Option<(Snapshot, Source)> + Send + Sync;
+
+/// The probes' Prometheus collector (see the table above).
 pub(crate) struct ProbeCollector {
-    pub(crate) probes: Weak<Inner>,
+    snapshot: Box<SnapshotFn>,
 }
 
-impl std::fmt::Debug for Inner {
+impl ProbeCollector {
+    /// A collector reading through `snapshot` at each scrape.
+    pub(crate) fn new(
+        snapshot: impl Fn() -> Option<(Snapshot, Source)> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            snapshot: Box::new(snapshot),
+        }
+    }
+}
+
+impl std::fmt::Debug for ProbeCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Probes")
-            .field("source", &self.source)
-            .finish()
+        f.debug_struct("ProbeCollector").finish_non_exhaustive()
     }
 }
 
@@ -88,10 +100,9 @@ fn encode_histograms<'h>(
 
 impl Collector for ProbeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(inner) = self.probes.upgrade() else {
+        let Some((snap, source)) = (self.snapshot)() else {
             return Ok(());
         };
-        let snap = Probes::snapshot_histograms(&inner);
 
         encode_histograms(
             &mut encoder,
@@ -205,7 +216,7 @@ impl Collector for ProbeCollector {
                 None,
                 MetricType::Gauge,
             )?;
-            let labels: Labels = vec![("source", inner.source.label().into())];
+            let labels: Labels = vec![("source", source.label().into())];
             ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
         }
         Ok(())

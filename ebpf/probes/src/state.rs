@@ -1,21 +1,15 @@
-//! Samples, histograms and the aggregates kept in user space (decoded events,
-//! user-space fallback timings), shared by the loader, the metrics collector
-//! and the trace streams.
+//! Samples and histograms (decoded from kernel records or timed in user
+//! space), shared by the loader, the metrics collector and the trace streams.
 
-use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use kvloop_common::{
     Direction, LAT_SLOTS, LatencyHist, PEER_LEN, PrefillEvent, RetransmitKey, SIZE_CLASS_UNKNOWN,
-    XferEvent, XferHistKey, lat_slot, site,
+    XferEvent, XferHistKey, XferOp, lat_slot, site,
 };
 
+use crate::Source;
 use crate::attribution::{self, TokenCounts, Unattributed};
-use crate::{Event, Source};
-
-/// Samples kept between two [`crate::Probes::snapshot`] calls, per kind; older
-/// samples are dropped first (counted in `samples_dropped`).
-pub const MAX_BUFFERED_SAMPLES: usize = 8192;
 
 /// Peer bytes (NUL-padded) as a string.
 pub(crate) fn peer_str(p: &[u8; PEER_LEN]) -> String {
@@ -149,12 +143,15 @@ pub struct XferSample {
     pub start_ns: u64,
     /// Post → completion, ns.
     pub latency_ns: u64,
-    /// Payload bytes; 0 = unknown (NIXL library probes).
+    /// Payload bytes; 0 = unknown (the NIXL library probes read them from
+    /// the request's local descriptors).
     pub bytes: u64,
     /// Descriptor count; 0 = unknown.
     pub descriptors: u32,
-    /// Direction of the READ.
+    /// Direction of the READ (kvloop sites; `Unknown` at the NIXL library).
     pub direction: Direction,
+    /// NIXL operation (READ/WRITE) at the NIXL library; `Unknown` elsewhere.
+    pub op: XferOp,
     /// Peer engine id / NIXL remote agent name ("" when unknown).
     pub peer: String,
     /// 0 = success; negative errno-style (kvloop) or `nixl_status_t` (NIXL).
@@ -173,6 +170,7 @@ impl XferSample {
             bytes: e.bytes,
             descriptors: e.descriptors,
             direction: Direction::from_u8(e.direction),
+            op: XferOp::from_u8(e.op),
             peer: peer_str(&e.peer),
             status: e.status,
         }
@@ -265,52 +263,6 @@ pub struct Snapshot {
     pub counters: Vec<(&'static str, u64)>,
 }
 
-/// User-space state behind a mutex.
-#[derive(Default)]
-pub(crate) struct UserState {
-    pub xfers: VecDeque<XferSample>,
-    pub prefills: VecDeque<PrefillSample>,
-    pub samples_dropped: u64,
-    /// Histograms of user-space timed transfers (fallback).
-    pub user_xfer_hists: HashMap<XferHistLabels, HistogramSnapshot>,
-    /// Prefill requests by attribution outcome: (attributed, unattributed).
-    pub prefill_attributed: u64,
-    pub prefill_unattributed: u64,
-    /// Token sums of attributed prefills: (prompt, reused).
-    pub prefill_prompt_tokens: u64,
-    pub prefill_reused_tokens: u64,
-}
-
-impl UserState {
-    pub(crate) fn push(&mut self, ev: &Event) {
-        match ev {
-            Event::Xfer(s) => {
-                if self.xfers.len() >= MAX_BUFFERED_SAMPLES {
-                    self.xfers.pop_front();
-                    self.samples_dropped += 1;
-                }
-                self.xfers.push_back(s.clone());
-            }
-            Event::Prefill(s) => {
-                match &s.tokens {
-                    Ok(t) => {
-                        self.prefill_attributed += 1;
-                        self.prefill_prompt_tokens += t.prompt_tokens;
-                        self.prefill_reused_tokens += t.reused_tokens;
-                    }
-                    Err(_) => self.prefill_unattributed += 1,
-                }
-                if self.prefills.len() >= MAX_BUFFERED_SAMPLES {
-                    self.prefills.pop_front();
-                    self.samples_dropped += 1;
-                }
-                self.prefills.push_back(s.clone());
-            }
-            Event::Retransmit { .. } => {}
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,28 +282,5 @@ mod tests {
         assert_eq!(HistogramSnapshot::default().quantile_upper_ns(0.5), None);
         assert!(HistogramSnapshot::slot_upper_seconds(LAT_SLOTS - 1).is_infinite());
         assert_eq!(HistogramSnapshot::slot_upper_seconds(9), 1024e-9);
-    }
-
-    #[test]
-    fn buffer_is_bounded() {
-        let mut u = UserState::default();
-        let s = XferSample {
-            source: Source::Userspace,
-            site: "userspace",
-            tgid: 1,
-            id: 1,
-            start_ns: 0,
-            latency_ns: 1,
-            bytes: 1,
-            descriptors: 1,
-            direction: Direction::Unknown,
-            peer: String::new(),
-            status: 0,
-        };
-        for _ in 0..MAX_BUFFERED_SAMPLES + 5 {
-            u.push(&Event::Xfer(s.clone()));
-        }
-        assert_eq!(u.xfers.len(), MAX_BUFFERED_SAMPLES);
-        assert_eq!(u.samples_dropped, 5);
     }
 }

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvloop_common::{Direction, PrefillEvent, RetransmitEvent, XferEvent, event_kind};
+use kvloop_common::{Direction, PrefillEvent, RetransmitEvent, XferEvent, XferOp, event_kind};
 use tokio::sync::broadcast;
 
 use crate::state::{PrefillSample, XferSample, retransmit_peer};
@@ -71,7 +71,12 @@ impl Event {
                 s.site,
                 s.tgid,
                 s.id,
-                s.direction.label(),
+                // the NIXL library knows READ/WRITE, not D→P/P→D
+                if s.direction == Direction::Unknown && s.op != XferOp::Unknown {
+                    s.op.label()
+                } else {
+                    s.direction.label()
+                },
                 if s.peer.is_empty() { "-" } else { &s.peer },
                 s.bytes,
                 s.descriptors,
@@ -248,6 +253,7 @@ mod tests {
             bytes: 65536,
             descriptors: 4,
             direction: dir,
+            op: XferOp::Unknown,
             peer: peer.into(),
             status: 0,
         })
@@ -306,7 +312,8 @@ mod tests {
             direction: Direction::DecodeToPrefill as u8,
             backend: 2,
             site: kvloop_common::site::KVLOOP,
-            _pad: [0; 5],
+            op: 0,
+            _pad: [0; 4],
             peer: kvloop_common::ReadProbeArgs::peer_from_str("d0"),
         };
         // SAFETY: viewing a repr(C) struct as bytes
@@ -326,5 +333,47 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(Event::decode(&bytes[..10]).is_none());
+    }
+
+    /// A NIXL library event carries the operation, bytes, descriptors and
+    /// remote agent read from the request handle; the line shows them.
+    #[test]
+    fn nixl_event_shows_operation_bytes_and_peer() {
+        let e = XferEvent {
+            kind: event_kind::XFER,
+            tgid: 7,
+            id: 0x5000,
+            start_ns: 100,
+            end_ns: 1100,
+            bytes: 1 << 20,
+            descriptors: 3,
+            status: 0,
+            direction: Direction::Unknown as u8,
+            backend: kvloop_common::BackendKind::Nixl as u8,
+            site: kvloop_common::site::NIXL_LIB,
+            op: XferOp::Write as u8,
+            _pad: [0; 4],
+            peer: kvloop_common::ReadProbeArgs::peer_from_str("engine-d"),
+        };
+        // SAFETY: viewing a repr(C) plain-old-data struct as its bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&e as *const XferEvent).cast::<u8>(),
+                size_of::<XferEvent>(),
+            )
+        };
+        let Some(Event::Xfer(s)) = Event::decode(bytes) else {
+            panic!("not an xfer event");
+        };
+        assert_eq!(s.op, XferOp::Write);
+        let line = Event::Xfer(s).line();
+        assert!(
+            line.contains("site=nixl")
+                && line.contains("dir=write")
+                && line.contains("peer=engine-d")
+                && line.contains("bytes=1048576")
+                && line.contains("descs=3"),
+            "{line}"
+        );
     }
 }

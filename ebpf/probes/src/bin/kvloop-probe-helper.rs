@@ -4,6 +4,7 @@
 //! ```text
 //! kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer>
 //! kvloop-probe-helper nixl-read <count> <bytes>
+//! kvloop-probe-helper nixl-prepped <count> <descs> <desc_bytes>
 //! kvloop-probe-helper dataplane-reads <nixl|shm|tcp> <count> <bytes>
 //! ```
 //!
@@ -20,6 +21,12 @@
 //! this process through the UCX backend (needs `LD_LIBRARY_PATH`,
 //! `NIXL_PLUGIN_DIR`, `UCX_MODULES='^ib*'`; shared/RECIPES.md) and times
 //! `postXferReq` → first successful `getXferStatus`.
+//! `nixl-prepped` makes transfers the way vLLM's NIXL connector does:
+//! descriptor lists prepared once (`prepXferDlist`), each request made from
+//! them (`makeXferReq`, not `createXferReq`) over all `descs` descriptors of
+//! `desc_bytes` each, alternately WRITE (even ids) and READ (odd ids), to
+//! the agent `kvloop-target`. The descriptors are `desc_bytes` apart (NIXL
+//! merges contiguous ones into one).
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
@@ -131,6 +138,84 @@ fn nixl_read(count: u64, bytes: usize) -> Result<()> {
     Ok(())
 }
 
+fn nixl_prepped(count: u64, descs: usize, desc_bytes: usize) -> Result<()> {
+    use nixl_sys::{
+        Agent, MemType, NixlRegistration, OptArgs, SystemStorage, XferDescList, XferOp, XferStatus,
+    };
+    if nixl_sys::is_stub() {
+        bail!(
+            "nixl-sys is the stub: libnixl_capi.so not found (set LD_LIBRARY_PATH to the NIXL libs)"
+        );
+    }
+    let agent = Agent::new("kvloop-prepper").context("Agent::new(prepper)")?;
+    let target = Agent::new("kvloop-target").context("Agent::new(target)")?;
+    let (_m, params) = agent
+        .get_plugin_params("UCX")
+        .context("UCX plugin params")?;
+    let b1 = agent
+        .create_backend("UCX", &params)
+        .context("UCX backend (prepper)")?;
+    let b2 = target
+        .create_backend("UCX", &params)
+        .context("UCX backend (target)")?;
+    let mut opt = OptArgs::new()?;
+    opt.add_backend(&b1)?;
+    let mut opt2 = OptArgs::new()?;
+    opt2.add_backend(&b2)?;
+    let total = descs * desc_bytes;
+    // descriptor d at 2 * d * desc_bytes: a gap after each, so none merge
+    let mut local = SystemStorage::new(2 * total)?;
+    let mut remote = SystemStorage::new(2 * total)?;
+    local.memset(0x11);
+    remote.memset(0x5a);
+    local.register(&agent, Some(&opt))?;
+    remote.register(&target, Some(&opt2))?;
+    let md = target.get_local_md()?;
+    let remote_name = agent.load_remote_md(&md)?;
+    let list = |base: usize| -> Result<XferDescList<'static>> {
+        let mut l = XferDescList::new(MemType::Dram)?;
+        for d in 0..descs {
+            l.add_desc(base + 2 * d * desc_bytes, desc_bytes, 0);
+        }
+        Ok(l)
+    };
+    let lbase = local.as_slice().as_ptr() as usize;
+    let rbase = remote.as_slice().as_ptr() as usize;
+    // "" names the local agent (NIXL_INIT_AGENT).
+    let local_h = agent.prepare_xfer_dlist("", &list(lbase)?, Some(&opt))?;
+    let remote_h = agent.prepare_xfer_dlist(&remote_name, &list(rbase)?, Some(&opt))?;
+    let idx: Vec<i32> = (0..descs as i32).collect();
+    wait_for_go()?;
+    for i in 0..count {
+        let op = if i % 2 == 0 {
+            XferOp::Write
+        } else {
+            XferOp::Read
+        };
+        let req = agent.make_xfer_req(op, &local_h, &idx, &remote_h, &idx, None)?;
+        let t = Instant::now();
+        let mut in_prog = agent.post_xfer_req(&req, None)?;
+        let deadline = t + Duration::from_secs(10);
+        while in_prog {
+            match agent.get_xfer_status(&req)? {
+                XferStatus::Success => in_prog = false,
+                XferStatus::InProgress => {
+                    if Instant::now() > deadline {
+                        bail!("transfer {i} not complete after 10 s");
+                    }
+                }
+            }
+        }
+        let ns = t.elapsed().as_nanos();
+        println!("read id={i} user_ns={ns} bytes={total}");
+    }
+    if !local.as_slice().iter().all(|&b| b == 0x11) {
+        bail!("data mismatch after the WRITE/READ round trips");
+    }
+    println!("done");
+    Ok(())
+}
+
 #[cfg(feature = "dataplane")]
 fn dataplane_reads(backend: &str, count: u64, bytes: u64) -> Result<()> {
     use kvloop_dataplane::fabric::FabricConfig;
@@ -235,8 +320,13 @@ fn main() -> Result<()> {
             num(3, "bytes")?,
         ),
         Some("nixl-read") => nixl_read(num(1, "count")?, num(2, "bytes")? as usize),
+        Some("nixl-prepped") => nixl_prepped(
+            num(1, "count")?,
+            num(2, "descs")? as usize,
+            num(3, "desc_bytes")? as usize,
+        ),
         _ => bail!(
-            "usage: kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer> | nixl-read <count> <bytes> | dataplane-reads <nixl|shm|tcp> <count> <bytes>"
+            "usage: kvloop-probe-helper usdt-reads <count> <work_us> <bytes> <peer> | nixl-read <count> <bytes> | nixl-prepped <count> <descs> <desc_bytes> | dataplane-reads <nixl|shm|tcp> <count> <bytes>"
         ),
     }
 }

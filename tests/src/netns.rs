@@ -44,7 +44,7 @@ impl NodePair {
     /// # Errors
     /// When not root or iproute2 fails (the message names the command).
     pub fn create(tag: u32) -> Result<Self> {
-        if unsafe { libc::geteuid() } != 0 {
+        if !crate::deps::is_root() {
             bail!("network namespaces need root (CAP_NET_ADMIN)");
         }
         let ns_a = format!("kvl{tag}a");
@@ -90,7 +90,7 @@ impl NodePair {
         Ok(pair)
     }
 
-    /// `ip netns exec <ns> <program> <args>` as a command to spawn.
+    /// `ip netns exec <ns> <program>` as a command to spawn (add its arguments).
     pub fn command_in(ns: &str, program: &std::path::Path) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", ns]).arg(program);
