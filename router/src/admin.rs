@@ -134,7 +134,12 @@ pub async fn health(State(s): State<Arc<AppState>>) -> Response {
             .any(|&i| s.healthy[i as usize].load(Ordering::Relaxed))
     };
     let serving = any(&s.prefill_idx) && any(&s.decode_idx);
-    let id = |i: u16| s.registry.get(i).map(|e| e.engine_id.clone()).unwrap_or_default();
+    let id = |i: u16| {
+        s.registry
+            .get(i)
+            .map(|e| e.engine_id.clone())
+            .unwrap_or_default()
+    };
     let mut warnings = Vec::new();
     for ((p, d), n) in s.pulls.lock().alarms() {
         warnings.push(json!({"kind": "pulls_failing", "prefill_engine_id": id(p), "decode_engine_id": id(d),
@@ -146,8 +151,10 @@ pub async fn health(State(s): State<Arc<AppState>>) -> Response {
         (m.streak, m.total)
     };
     if missing.0 > 0 {
-        warnings.push(json!({"kind": "decode_params_missing", "streak": missing.0, "total": missing.1,
-            "detail": MISSING_PARAMS_HINT}));
+        warnings.push(
+            json!({"kind": "decode_params_missing", "streak": missing.0, "total": missing.1,
+            "detail": MISSING_PARAMS_HINT}),
+        );
     }
     let status = match (serving, warnings.is_empty()) {
         (true, true) => "ok",
@@ -291,7 +298,9 @@ mod tests {
 
     #[test]
     fn models_are_merged_with_the_smallest_max_model_len() {
-        let d = Bytes::from_static(br#"{"object":"list","data":[{"id":"m","object":"model","root":"r","x":1.50}]}"#);
+        let d = Bytes::from_static(
+            br#"{"object":"list","data":[{"id":"m","object":"model","root":"r","x":1.50}]}"#,
+        );
         let p = Bytes::from_static(br#"{"object":"list","data":[{"id":"m","max_model_len":4096},{"id":"lora","max_model_len":2048}]}"#);
         let p2 = Bytes::from_static(br#"{"data":[{"id":"m","max_model_len":2048}]}"#);
         let (body, ids) = merge_models(&[d, p, p2, Bytes::from_static(b"nope")]);

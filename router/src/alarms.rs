@@ -158,11 +158,17 @@ mod tests {
         assert_eq!(t.record(0, 1, PullOutcome::Declined), None);
         assert_eq!(t.record(0, 1, PullOutcome::Failed), None);
         assert_eq!(t.record(0, 2, PullOutcome::Read), None);
-        assert_eq!(t.record(0, 1, PullOutcome::Declined), Some(AlarmChange::Raised(3)));
+        assert_eq!(
+            t.record(0, 1, PullOutcome::Declined),
+            Some(AlarmChange::Raised(3))
+        );
         assert_eq!(t.record(0, 1, PullOutcome::Declined), None);
         assert_eq!(t.alarms(), vec![((0, 1), 4)]);
         assert_eq!(t.record(0, 1, PullOutcome::Unreported), None);
-        assert_eq!(t.record(0, 1, PullOutcome::Read), Some(AlarmChange::Cleared));
+        assert_eq!(
+            t.record(0, 1, PullOutcome::Read),
+            Some(AlarmChange::Cleared)
+        );
         assert!(t.alarms().is_empty());
     }
 

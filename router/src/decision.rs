@@ -110,7 +110,10 @@ pub fn decide(
     }
     out.reason = Reason::Pulled;
     out.reused_tokens = reusable;
-    out.attach = Some(turn.params.expand_json(&d.engine_id, held, &d.side_channel_host));
+    out.attach = Some(
+        turn.params
+            .expand_json(&d.engine_id, held, &d.side_channel_host),
+    );
     out
 }
 

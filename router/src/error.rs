@@ -49,7 +49,12 @@ impl RouteError {
 }
 
 /// An OpenAI-style error body: `{"error": {"message", "type", "param", "code"}}`.
-pub fn error_response(status: StatusCode, kind: &str, param: Option<&str>, message: impl Into<String>) -> Response {
+pub fn error_response(
+    status: StatusCode,
+    kind: &str,
+    param: Option<&str>,
+    message: impl Into<String>,
+) -> Response {
     (
         status,
         Json(json!({"error": {"message": message.into(), "type": kind, "param": param, "code": status.as_u16()}})),
@@ -78,12 +83,20 @@ mod tests {
     fn statuses_and_outcomes() {
         let up = |stage, f| RouteError::Upstream(UpstreamError::new(stage, "e", f, "x"));
         let cases = [
-            (RouteError::BadRequest(BadRequest("m".into())), 400, "client_error"),
+            (
+                RouteError::BadRequest(BadRequest("m".into())),
+                400,
+                "client_error",
+            ),
             (RouteError::ModelNotFound("m".into()), 404, "client_error"),
             (RouteError::Unavailable("decode"), 503, "unavailable"),
             (up(Stage::Prefill, Failure::Transport), 502, "prefill_error"),
             (up(Stage::Decode, Failure::Timeout), 504, "decode_error"),
-            (up(Stage::Prefill, Failure::Status(StatusCode::BAD_REQUEST)), 400, "prefill_error"),
+            (
+                up(Stage::Prefill, Failure::Status(StatusCode::BAD_REQUEST)),
+                400,
+                "prefill_error",
+            ),
         ];
         for (e, status, outcome) in cases {
             assert_eq!((e.status().as_u16(), e.outcome()), (status, outcome), "{e}");

@@ -38,8 +38,8 @@ use std::sync::Arc;
 
 use axum::serve::ListenerExt;
 
-pub use config::RouterConfig;
 pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use config::RouterConfig;
 pub use server::AppState;
 
 /// A router serving on a bound address.

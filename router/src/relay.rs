@@ -112,7 +112,12 @@ impl StoreCtx {
             match s.tokenize_on(self.prefill_engine, &body).await {
                 Some(visible) if u64::from(held) <= u64::from(n_prompt) + visible.len() as u64 => {}
                 Some(visible) => {
-                    debug!(held, n_prompt, visible = visible.len(), "D holds more tokens than the visible history; not stored");
+                    debug!(
+                        held,
+                        n_prompt,
+                        visible = visible.len(),
+                        "D holds more tokens than the visible history; not stored"
+                    );
                     self.skip("hidden_tokens");
                     return;
                 }

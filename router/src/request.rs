@@ -134,19 +134,22 @@ pub fn parse_request(
             .collect(),
         _ => None,
     };
-    let hidden_output = (body.get("include_reasoning") == Some(&Value::Bool(false)))
-        .then_some("hidden_reasoning");
+    let hidden_output =
+        (body.get("include_reasoning") == Some(&Value::Bool(false))).then_some("hidden_reasoning");
     let has_stop_strings = match body.get("stop") {
         Some(Value::String(s)) => !s.is_empty(),
         Some(Value::Array(a)) => !a.is_empty(),
         _ => false,
     };
-    let stop_str_hidden = has_stop_strings
-        && body.get("include_stop_str_in_output") != Some(&Value::Bool(true));
+    let stop_str_hidden =
+        has_stop_strings && body.get("include_stop_str_in_output") != Some(&Value::Bool(true));
     Ok(ParsedRequest {
         api,
         stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
-        model: body.get("model").and_then(Value::as_str).map(str::to_string),
+        model: body
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_string),
         body,
         conversation_id,
         tenant: header(tenant_header).unwrap_or_else(|| default_tenant.to_string()),
@@ -310,7 +313,10 @@ mod tests {
         .clone();
         let params = RawValue::from_string(r#"{"t":1214.2449693849999}"#.into()).unwrap();
         let p = String::from_utf8(prefill_body(&body, &params)).unwrap();
-        assert!(p.starts_with(r#"{"kv_transfer_params":{"t":1214.2449693849999},"#), "{p}");
+        assert!(
+            p.starts_with(r#"{"kv_transfer_params":{"t":1214.2449693849999},"#),
+            "{p}"
+        );
         let v: Value = serde_json::from_str(&p).unwrap();
         assert_eq!(v["max_tokens"], 1);
         assert_eq!(v["stream"], false);

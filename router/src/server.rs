@@ -31,8 +31,7 @@ use crate::decision::{Decision, PromptInfo, decide};
 use crate::error::RouteError;
 use crate::fingerprint::{History, HistoryHasher, hash_tokens};
 use crate::metrics::{
-    CauseLabel, EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, ReasonLabel,
-    RequestLabels,
+    CauseLabel, EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, ReasonLabel, RequestLabels,
 };
 use crate::params::{KvParams, no_reuse_prefill_params};
 use crate::registry::{Registry, Role};
@@ -519,11 +518,20 @@ async fn prefill(
 }
 
 /// P's params for D, with `remote_host` from the registry.
-fn params_for_decode(s: &AppState, p_idx: u16, reply: PrefillReply) -> Result<Box<RawValue>, RouteError> {
+fn params_for_decode(
+    s: &AppState,
+    p_idx: u16,
+    reply: PrefillReply,
+) -> Result<Box<RawValue>, RouteError> {
     let p = s.registry.get(p_idx).expect("index");
     let body_err = |detail: String| {
         s.metrics.reject_params("source_prefill");
-        RouteError::Upstream(UpstreamError::new(Stage::Prefill, &p.engine_id, Failure::Body, detail))
+        RouteError::Upstream(UpstreamError::new(
+            Stage::Prefill,
+            &p.engine_id,
+            Failure::Body,
+            detail,
+        ))
     };
     let raw = reply.params.ok_or_else(|| {
         body_err("kv_transfer_params: missing in its response (is it a kv_producer?)".into())
@@ -555,7 +563,13 @@ async fn route_inner(
     raw: Bytes,
 ) -> Result<Response, RouteError> {
     let t0 = Instant::now();
-    let req = parse_request(api, headers, &raw, &s.cfg.tenant_header, &s.cfg.default_tenant)?;
+    let req = parse_request(
+        api,
+        headers,
+        &raw,
+        &s.cfg.tenant_header,
+        &s.cfg.default_tenant,
+    )?;
     if let Some(m) = &req.model
         && !s.serves_model(m)
     {
@@ -639,9 +653,16 @@ async fn route_inner(
         }
     });
 
-    let (p_idx, p_reply) = prefill(s, &req, p_idx, &decision, tokens.as_ref().map(Vec::len), &request_id)
-        .await
-        .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
+    let (p_idx, p_reply) = prefill(
+        s,
+        &req,
+        p_idx,
+        &decision,
+        tokens.as_ref().map(Vec::len),
+        &request_id,
+    )
+    .await
+    .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
     let d_params = params_for_decode(s, p_idx, p_reply)?;
 
     // Decode request: the client's body with P's params. Never resent to another D.
@@ -667,10 +688,17 @@ async fn route_inner(
     }
     if req.stream {
         let relay = Relay::new(Box::pin(d_resp.bytes_stream()), ctx, t0, s.clone());
-        return Ok(builder.body(Body::from_stream(relay)).expect("valid response"));
+        return Ok(builder
+            .body(Body::from_stream(relay))
+            .expect("valid response"));
     }
     let bytes = d_resp.bytes().await.map_err(|e| {
-        UpstreamError::new(Stage::Decode, &d.engine_id, Failure::Transport, e.to_string())
+        UpstreamError::new(
+            Stage::Decode,
+            &d.engine_id,
+            Failure::Transport,
+            e.to_string(),
+        )
     })?;
     s.metrics.ttft_seconds.observe(t0.elapsed().as_secs_f64());
     let (summary, rewritten) = rewrite_body(&bytes);

@@ -120,8 +120,8 @@ impl ReplySummary {
                 self.absorb_choice(c);
             }
         }
-        if let Some(n) = parse(obj.get("usage"))
-            .and_then(|u| u.get("completion_tokens").and_then(Value::as_u64))
+        if let Some(n) =
+            parse(obj.get("usage")).and_then(|u| u.get("completion_tokens").and_then(Value::as_u64))
         {
             self.completion_tokens = Some(n);
         }
@@ -277,7 +277,10 @@ mod tests {
                 continue;
             }
             let v: Value = serde_json::from_str(line).unwrap();
-            assert!(v["choices"].get(0).is_some() || !v["usage"].is_null(), "{line}");
+            assert!(
+                v["choices"].get(0).is_some() || !v["usage"].is_null(),
+                "{line}"
+            );
         }
     }
 

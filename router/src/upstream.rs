@@ -138,7 +138,11 @@ fn reported_reused(obj: &RawObject) -> Option<u64> {
     if let Some(n) = field("kvloop_sim").and_then(|s| s.get("reused_tokens")?.as_u64()) {
         return Some(n);
     }
-    field("usage").and_then(|u| u.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64())
+    field("usage").and_then(|u| {
+        u.get("prompt_tokens_details")?
+            .get("cached_tokens")?
+            .as_u64()
+    })
 }
 
 impl Upstream {
@@ -165,7 +169,12 @@ impl Upstream {
         let status = r.status();
         if !status.is_success() {
             let text = r.text().await.unwrap_or_default();
-            return Err(UpstreamError::new(st, engine, Failure::Status(status), text));
+            return Err(UpstreamError::new(
+                st,
+                engine,
+                Failure::Status(status),
+                text,
+            ));
         }
         let v: Value = r
             .json()
@@ -178,7 +187,9 @@ impl Upstream {
                     .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
                     .collect::<Option<Vec<u32>>>()
             })
-            .ok_or_else(|| UpstreamError::new(st, engine, Failure::Body, "tokens: expected token ids"))
+            .ok_or_else(|| {
+                UpstreamError::new(st, engine, Failure::Body, "tokens: expected token ids")
+            })
     }
 
     /// The prefill request (`body` from [`crate::request::prefill_body`]).
@@ -215,7 +226,12 @@ impl Upstream {
         let status = r.status();
         if !status.is_success() {
             let text = r.text().await.unwrap_or_default();
-            return Err(UpstreamError::new(st, engine, Failure::Status(status), format!("HTTP {status}: {text}")));
+            return Err(UpstreamError::new(
+                st,
+                engine,
+                Failure::Status(status),
+                format!("HTTP {status}: {text}"),
+            ));
         }
         let bytes = r
             .bytes()
@@ -257,13 +273,23 @@ impl Upstream {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => return Err(UpstreamError::transport(st, engine, &e)),
             Err(_) => {
-                return Err(UpstreamError::new(st, engine, Failure::Timeout, "no response headers in time"));
+                return Err(UpstreamError::new(
+                    st,
+                    engine,
+                    Failure::Timeout,
+                    "no response headers in time",
+                ));
             }
         };
         let status = r.status();
         if !status.is_success() {
             let text = r.text().await.unwrap_or_default();
-            return Err(UpstreamError::new(st, engine, Failure::Status(status), format!("HTTP {status}: {text}")));
+            return Err(UpstreamError::new(
+                st,
+                engine,
+                Failure::Status(status),
+                format!("HTTP {status}: {text}"),
+            ));
         }
         Ok(r)
     }
@@ -279,22 +305,39 @@ mod tests {
         assert!(e(Failure::Transport).retry_safe());
         assert!(e(Failure::Timeout).retry_safe());
         assert!(e(Failure::Status(StatusCode::INTERNAL_SERVER_ERROR)).retry_safe());
-        assert!(!e(Failure::Status(StatusCode::BAD_REQUEST)).retry_safe(), "a 400 is not retried");
+        assert!(
+            !e(Failure::Status(StatusCode::BAD_REQUEST)).retry_safe(),
+            "a 400 is not retried"
+        );
         assert!(!e(Failure::Body).retry_safe());
-        assert_eq!(e(Failure::Status(StatusCode::BAD_REQUEST)).client_status(), 400);
+        assert_eq!(
+            e(Failure::Status(StatusCode::BAD_REQUEST)).client_status(),
+            400
+        );
         assert_eq!(e(Failure::Timeout).client_status(), 504);
-        assert_eq!(e(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)).client_status(), 502);
+        assert_eq!(
+            e(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)).client_status(),
+            502
+        );
         assert_eq!(e(Failure::Body).to_string(), "prefill engine p0: x");
     }
 
     #[test]
     fn reads_what_p_reports_it_reused() {
         let o = |s: &str| RawObject::parse(s).unwrap();
-        assert_eq!(reported_reused(&o(r#"{"kvloop_sim":{"reused_tokens":109}}"#)), Some(109));
         assert_eq!(
-            reported_reused(&o(r#"{"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":96}}}"#)),
+            reported_reused(&o(r#"{"kvloop_sim":{"reused_tokens":109}}"#)),
+            Some(109)
+        );
+        assert_eq!(
+            reported_reused(&o(
+                r#"{"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":96}}}"#
+            )),
             Some(96)
         );
-        assert_eq!(reported_reused(&o(r#"{"usage":{"prompt_tokens":5}}"#)), None);
+        assert_eq!(
+            reported_reused(&o(r#"{"usage":{"prompt_tokens":5}}"#)),
+            None
+        );
     }
 }

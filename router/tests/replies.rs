@@ -52,7 +52,10 @@ fn params_on_own_chunk(held: u64) -> Vec<String> {
         delta("a", None),
         delta(" b", None),
         delta(" c", Some("length")),
-        format!(r#"{{"id":"d","object":"chat.completion.chunk","choices":[],"kv_transfer_params":{}}}"#, d_params(held)),
+        format!(
+            r#"{{"id":"d","object":"chat.completion.chunk","choices":[],"kv_transfer_params":{}}}"#,
+            d_params(held)
+        ),
     ]
 }
 
@@ -69,7 +72,10 @@ fn params_on_finish_chunk(held: u64) -> Vec<String> {
 }
 
 fn assert_client_clean(text: &str) {
-    assert!(!text.contains("kv_transfer_params"), "params reached the client: {text}");
+    assert!(
+        !text.contains("kv_transfer_params"),
+        "params reached the client: {text}"
+    );
     for d in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
         if d == "[DONE]" {
             continue;
@@ -87,9 +93,12 @@ fn assert_client_clean(text: &str) {
 /// every member D emitted byte for byte.
 #[tokio::test]
 async fn params_never_reach_the_client_and_reach_p_bit_exact() {
-    for (i, events) in [params_on_own_chunk as fn(u64) -> Vec<String>, params_on_finish_chunk]
-        .into_iter()
-        .enumerate()
+    for (i, events) in [
+        params_on_own_chunk as fn(u64) -> Vec<String>,
+        params_on_finish_chunk,
+    ]
+    .into_iter()
+    .enumerate()
     {
         let c = MockCluster::start(script_p(), script_d(events, true)).await;
         let conv = format!("conv-{i}");
@@ -99,7 +108,11 @@ async fn params_never_reach_the_client_and_reach_p_bit_exact() {
         assert_client_clean(&text);
         assert!(text.ends_with("data: [DONE]\n\n"));
         assert!(text.contains("\"usage\"") || i == 0, "usage chunks pass");
-        let m2 = vec![m1[0].clone(), assistant("a b c"), user("four five six seven")];
+        let m2 = vec![
+            m1[0].clone(),
+            assistant("a b c"),
+            user("four five six seven"),
+        ];
         let (st, text) = c.chat(&chat_body(&conv, &m2, false)).await;
         assert_eq!(st, 200);
         assert!(!text.contains("kv_transfer_params"), "{text}");
@@ -127,21 +140,32 @@ async fn params_never_reach_the_client_and_reach_p_bit_exact() {
 async fn stream_with_error_event_is_not_stored() {
     fn events(held: u64) -> Vec<String> {
         let mut e = params_on_own_chunk(held);
-        e.insert(3, r#"{"error":{"message":"engine overloaded","type":"InternalServerError","code":500}}"#.into());
+        e.insert(
+            3,
+            r#"{"error":{"message":"engine overloaded","type":"InternalServerError","code":500}}"#
+                .into(),
+        );
         e
     }
     let c = MockCluster::start(script_p(), script_d(events, true)).await;
-    let (st, text) = c.chat(&chat_body("conv-err", &[user("hi there")], true)).await;
+    let (st, text) = c
+        .chat(&chat_body("conv-err", &[user("hi there")], true))
+        .await;
     assert_eq!(st, 200);
-    assert!(text.contains("engine overloaded"), "the error reaches the client");
+    assert!(
+        text.contains("engine overloaded"),
+        "the error reaches the client"
+    );
     assert_eq!(c.metric("kvloop_router_store_entries").await, 0.0);
     assert_eq!(
-        c.metric("kvloop_router_store_skipped_total{reason=\"error_event\"}").await,
+        c.metric("kvloop_router_store_skipped_total{reason=\"error_event\"}")
+            .await,
         1.0
     );
     // And a stream cut before [DONE] is not stored either.
     let c = MockCluster::start(script_p(), script_d(params_on_own_chunk, false)).await;
-    c.chat(&chat_body("conv-cut", &[user("hi there")], true)).await;
+    c.chat(&chat_body("conv-cut", &[user("hi there")], true))
+        .await;
     assert_eq!(c.metric("kvloop_router_store_entries").await, 0.0);
 }
 
@@ -153,12 +177,20 @@ async fn hidden_reasoning_is_never_stored() {
     for stream in [false, true] {
         let body = json!({"model": "sim-model", "messages": [user(&words(100, "a"))], "max_tokens": 8,
             "stream": stream, "conversation_id": format!("conv-r{stream}"), "include_reasoning": false});
-        let (st, _) = post(&c.http, &format!("{}/v1/chat/completions", c.router.url()), None, &body, stream).await;
+        let (st, _) = post(
+            &c.http,
+            &format!("{}/v1/chat/completions", c.router.url()),
+            None,
+            &body,
+            stream,
+        )
+        .await;
         assert_eq!(st, 200);
     }
     assert_eq!(c.metric("kvloop_router_store_entries").await, 0.0);
     assert_eq!(
-        c.metric("kvloop_router_store_skipped_total{reason=\"hidden_reasoning\"}").await,
+        c.metric("kvloop_router_store_skipped_total{reason=\"hidden_reasoning\"}")
+            .await,
         2.0
     );
 }
@@ -171,15 +203,18 @@ async fn token_mode_refuses_params_covering_unseen_tokens() {
         params_on_own_chunk(held + 40) // 40 reasoning tokens the client never saw
     }
     let c = MockCluster::start(script_p(), script_d(hidden, true)).await;
-    c.chat(&chat_body("conv-h", &[user("hi there")], true)).await;
+    c.chat(&chat_body("conv-h", &[user("hi there")], true))
+        .await;
     assert_eq!(c.metric("kvloop_router_store_entries").await, 0.0);
     assert_eq!(
-        c.metric("kvloop_router_store_skipped_total{reason=\"hidden_tokens\"}").await,
+        c.metric("kvloop_router_store_skipped_total{reason=\"hidden_tokens\"}")
+            .await,
         1.0
     );
     // Control: the same answer with a consistent count is stored.
     let c = MockCluster::start(script_p(), script_d(params_on_own_chunk, true)).await;
-    c.chat(&chat_body("conv-ok", &[user("hi there")], true)).await;
+    c.chat(&chat_body("conv-ok", &[user("hi there")], true))
+        .await;
     assert_eq!(c.metric("kvloop_router_store_entries").await, 1.0);
 }
 
@@ -195,7 +230,11 @@ async fn openai_surface_version_models_and_unknown_model() {
                 if let Some(l) = max_len {
                     m["max_model_len"] = json!(l);
                 }
-                (200, "application/json", json!({"object": "list", "data": [m]}).to_string())
+                (
+                    200,
+                    "application/json",
+                    json!({"object": "list", "data": [m]}).to_string(),
+                )
             }
             _ if max_len.is_some() => p_answer(None),
             _ => script_d(params_on_own_chunk, true)(path, body),
@@ -214,8 +253,17 @@ async fn openai_surface_version_models_and_unknown_model() {
     assert_eq!(st, 404, "{text}");
     let e: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(e["error"]["code"], 404);
-    assert!(e["error"]["message"].as_str().unwrap().contains("no-such-model"));
-    assert_eq!(c.p.bodies("/v1/chat/completions").len(), 0, "no engine was asked");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-model")
+    );
+    assert_eq!(
+        c.p.bodies("/v1/chat/completions").len(),
+        0,
+        "no engine was asked"
+    );
     let (st, _) = c.chat(&chat_body("conv-m", &[user("hi")], false)).await;
     assert_eq!(st, 200, "a served model still works");
 }
@@ -230,7 +278,8 @@ async fn turn_after_sweep_counts_expired() {
     c.clock.advance(450_000);
     // /metrics sweeps: the entry leaves the store before the turn arrives.
     assert_eq!(
-        c.metric("kvloop_router_store_evictions_total{cause=\"expired\"}").await,
+        c.metric("kvloop_router_store_evictions_total{cause=\"expired\"}")
+            .await,
         1.0
     );
     let m2 = vec![m1[0].clone(), assistant(&a1), user("more")];
@@ -251,16 +300,27 @@ async fn declined_pulls_raise_a_pair_alarm() {
         let conv = format!("conv-{i}");
         let m1 = vec![user(&words(100, "a"))];
         c.chat(&chat_body(&conv, &m1, false)).await;
-        let m2 = vec![m1[0].clone(), assistant("a b c"), user("four five six seven")];
+        let m2 = vec![
+            m1[0].clone(),
+            assistant("a b c"),
+            user("four five six seven"),
+        ];
         c.chat(&chat_body(&conv, &m2, false)).await;
     }
     assert_eq!(c.metric(PULLED).await, 3.0);
     let pair = "prefill_engine_id=\"p0\",decode_engine_id=\"d0\"";
     assert_eq!(
-        c.metric(&format!("kvloop_router_pulls_total{{{pair},outcome=\"declined\"}}")).await,
+        c.metric(&format!(
+            "kvloop_router_pulls_total{{{pair},outcome=\"declined\"}}"
+        ))
+        .await,
         3.0
     );
-    assert_eq!(c.metric(&format!("kvloop_router_pull_alarm{{{pair}}}")).await, 1.0);
+    assert_eq!(
+        c.metric(&format!("kvloop_router_pull_alarm{{{pair}}}"))
+            .await,
+        1.0
+    );
     let (st, h) = c.get("/health").await;
     assert_eq!(st, 200);
     assert_eq!(h["status"], "degraded", "{h}");
@@ -292,16 +352,21 @@ async fn decode_answers_without_params_are_reported() {
         vec![delta("a", None), delta(" b c", Some("stop"))]
     }
     let c = MockCluster::start(script_p(), script_d(no_params, true)).await;
-    c.chat(&chat_body("conv-np", &[user("hi there")], true)).await;
+    c.chat(&chat_body("conv-np", &[user("hi there")], true))
+        .await;
     assert_eq!(
-        c.metric("kvloop_router_decode_params_missing_total{engine_id=\"d0\"}").await,
+        c.metric("kvloop_router_decode_params_missing_total{engine_id=\"d0\"}")
+            .await,
         1.0
     );
     let (_, h) = c.get("/health").await;
     assert_eq!(h["status"], "degraded", "{h}");
     let w = &h["warnings"][0];
     assert_eq!(w["kind"], "decode_params_missing");
-    assert!(w["detail"].as_str().unwrap().contains("kvloop-vllm plugin"), "{w}");
+    assert!(
+        w["detail"].as_str().unwrap().contains("kvloop-vllm plugin"),
+        "{w}"
+    );
 }
 
 /// Issue 11 item 2: a 400 from P with D's params attached is not retried
@@ -312,13 +377,21 @@ async fn a_400_from_prefill_is_not_retried() {
         if body["kv_transfer_params"]["remote_block_ids"].is_null() {
             p_answer(None)
         } else {
-            (400, "application/json", r#"{"error":{"message":"bad params","code":400}}"#.into())
+            (
+                400,
+                "application/json",
+                r#"{"error":{"message":"bad params","code":400}}"#.into(),
+            )
         }
     });
     let c = MockCluster::start(p, script_d(params_on_own_chunk, true)).await;
     let m1 = vec![user(&words(100, "a"))];
     c.chat(&chat_body("conv-4", &m1, false)).await;
-    let m2 = vec![m1[0].clone(), assistant("a b c"), user("four five six seven")];
+    let m2 = vec![
+        m1[0].clone(),
+        assistant("a b c"),
+        user("four five six seven"),
+    ];
     let (st, text) = c.chat(&chat_body("conv-4", &m2, false)).await;
     assert_eq!(st, 400, "{text}");
     assert_eq!(c.metric("kvloop_router_prefill_retries_total").await, 0.0);

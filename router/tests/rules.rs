@@ -174,7 +174,10 @@ async fn streaming_forwards_chunks_and_captures_params_from_final_chunk() {
     for d in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
         if d != "[DONE]" {
             let v: Value = serde_json::from_str(d).unwrap();
-            assert!(v["choices"].get(0).is_some() || !v["usage"].is_null(), "{d}");
+            assert!(
+                v["choices"].get(0).is_some() || !v["usage"].is_null(),
+                "{d}"
+            );
         }
     }
 }

@@ -128,8 +128,12 @@ fn block_ids(v: Option<Value>) -> Result<BlockIds, ParamsError> {
             if a.iter().all(Value::is_array) {
                 let mut groups = Vec::with_capacity(a.len());
                 for g in &a {
-                    let ids: Option<Vec<u32>> =
-                        g.as_array().expect("checked").iter().map(block_id).collect();
+                    let ids: Option<Vec<u32>> = g
+                        .as_array()
+                        .expect("checked")
+                        .iter()
+                        .map(block_id)
+                        .collect();
                     groups.push(ids.ok_or(err("remote_block_ids", IDS))?);
                 }
                 BlockIds::Grouped(groups)
@@ -316,7 +320,10 @@ mod tests {
         p.set_remote_host("[::1]");
         p.set_flags(true, false);
         let out = p.to_json();
-        assert!(out.contains(r#""remote_blocks_expiry_time":1214.2449693849999"#), "{out}");
+        assert!(
+            out.contains(r#""remote_blocks_expiry_time":1214.2449693849999"#),
+            "{out}"
+        );
         assert!(out.contains(r#""x_unknown":{"k":1.50}"#), "{out}");
         assert!(out.contains(r#""remote_host":"[::1]""#), "{out}");
         let unknown: Vec<&str> = p.unknown().map(|(k, _)| k).collect();

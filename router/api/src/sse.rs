@@ -162,7 +162,8 @@ mod tests {
 
     #[test]
     fn every_line_end_kind_and_splits_between_cr_and_lf() {
-        let stream: &[u8] = b"data: a\r\n\r\ndata: b\r\rdata:c\n\n: keep-alive\n\nevent: x\ndata\n\n";
+        let stream: &[u8] =
+            b"data: a\r\n\r\ndata: b\r\rdata:c\n\n: keep-alive\n\nevent: x\ndata\n\n";
         for split in 1..stream.len() {
             let chunks: Vec<&[u8]> = stream.chunks(split).collect();
             let ev = all(&chunks);

@@ -113,7 +113,10 @@ mod tests {
         assert_eq!(ev, vec!["{\"a\":1}".to_string(), "[DONE]".to_string()]);
         assert_eq!(p.finish(), None);
         let mut p = SseParser::new();
-        assert_eq!(p.push(b"data: {\"a\":\ndata: 1}\r\rdata: x"), vec!["{\"a\":\n1}"]);
+        assert_eq!(
+            p.push(b"data: {\"a\":\ndata: 1}\r\rdata: x"),
+            vec!["{\"a\":\n1}"]
+        );
         assert_eq!(p.finish().as_deref(), Some("x"));
     }
 
