@@ -9,7 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use futures_util::Stream;
@@ -109,7 +109,9 @@ impl StoreCtx {
             // D holds prompt + generated − 1 tokens; the client can only send
             // back the prompt and the visible reply.
             let body = tokenize_text_body(self.model.as_deref(), &summary.text);
-            match s.tokenize_on(self.prefill_engine, &body).await {
+            // Bounded: the client's stream ends only after this check.
+            let timeout = Duration::from_millis(s.cfg.health_timeout_ms.max(1_000));
+            match s.tokenize_on(self.prefill_engine, &body, timeout).await {
                 Some(visible) if u64::from(held) <= u64::from(n_prompt) + visible.len() as u64 => {}
                 Some(visible) => {
                     debug!(

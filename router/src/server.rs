@@ -287,14 +287,18 @@ impl AppState {
         }
     }
 
-    /// `/tokenize` on engine `i`: the token ids, or `None` (after a failure
-    /// the history check is used for [`TOKENIZE_RETRY_MS`]).
-    pub(crate) async fn tokenize_on(&self, i: u16, body: &Value) -> Option<Vec<u32>> {
+    /// `/tokenize` on engine `i` within `timeout`: the token ids, or `None`
+    /// (after a failure the history check is used for [`TOKENIZE_RETRY_MS`]).
+    pub(crate) async fn tokenize_on(
+        &self,
+        i: u16,
+        body: &Value,
+        timeout: Duration,
+    ) -> Option<Vec<u32>> {
         if self.now_ms() < self.tokenize_retry_at_ms.load(Ordering::Relaxed) {
             return None;
         }
         let e = self.registry.get(i)?;
-        let timeout = Duration::from_millis(self.cfg.prefill_timeout_ms);
         let tokens = match self
             .upstream
             .tokenize(&e.engine_id, &e.http_url, body, timeout)
@@ -596,7 +600,10 @@ async fn route_inner(
             && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
         {
             match tokenize_body(api, &req.body) {
-                Some(b) => s.tokenize_on(p_idx, &b).await,
+                Some(b) => {
+                    let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
+                    s.tokenize_on(p_idx, &b, timeout).await
+                }
                 None => None,
             }
         }
