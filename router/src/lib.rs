@@ -24,6 +24,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod metrics;
 pub mod params;
+pub mod prefill;
 pub mod registry;
 pub mod relay;
 pub mod request;

@@ -16,31 +16,29 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use kvloop_router_api::THRESHOLDS_PATH;
-use kvloop_router_api::json::to_raw;
 use lru::LruCache;
 use parking_lot::{Mutex, RwLock};
 use serde_json::Value;
-use serde_json::value::RawValue;
 use tracing::{debug, info, warn};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker};
 use crate::clock::Clock;
 use crate::config::{PrefixCheckMode, RouterConfig};
-use crate::decision::{Decision, PromptInfo, decide};
+use crate::decision::{PromptInfo, decide};
 use crate::error::RouteError;
 use crate::fingerprint::{History, HistoryHasher, hash_tokens};
 use crate::metrics::{
     CauseLabel, EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, ReasonLabel, RequestLabels,
 };
-use crate::params::{KvParams, no_reuse_prefill_params};
+use crate::prefill::{params_for_decode, prefill};
 use crate::registry::{Registry, Role};
 use crate::relay::{Relay, StoreCtx};
-use crate::request::{Api, ParsedRequest, decode_body, parse_request, prefill_body, tokenize_body};
+use crate::request::{Api, decode_body, parse_request, tokenize_body};
 use crate::sse::rewrite_body;
 use crate::store::{ConvKey, ConversationStore, Lookup, StoredTurn};
 use crate::thresholds::ThresholdTable;
-use crate::upstream::{Failure, PrefillReply, Stage, Upstream, UpstreamError};
+use crate::upstream::{Failure, Stage, Upstream, UpstreamError};
 
 /// Shared state of a running router.
 pub struct AppState {
@@ -54,9 +52,9 @@ pub struct AppState {
     pub(crate) thresholds: Mutex<ThresholdTable>,
     /// Metrics.
     pub metrics: Metrics,
-    upstream: Upstream,
+    pub(crate) upstream: Upstream,
     clock: Box<dyn Clock>,
-    rr_prefill: AtomicUsize,
+    pub(crate) rr_prefill: AtomicUsize,
     rr_decode: AtomicUsize,
     tokenize_ok: AtomicBool,
     /// After a failed `/tokenize`, no new attempt before this time (ms).
@@ -188,7 +186,7 @@ impl AppState {
         self.store.lock().len()
     }
 
-    fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {
+    pub(crate) fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {
         if idx.is_empty() {
             return None;
         }
@@ -246,7 +244,7 @@ impl AppState {
         self.metrics.store_entries.set(len as i64);
     }
 
-    fn engine_id(&self, i: u16) -> String {
+    pub(crate) fn engine_id(&self, i: u16) -> String {
         self.registry
             .get(i)
             .map(|e| e.engine_id.clone())
@@ -254,7 +252,7 @@ impl AppState {
     }
 
     /// Record what became of a pull from D `d` to P `p`.
-    fn record_pull(&self, p: u16, d: u16, outcome: PullOutcome) {
+    pub(crate) fn record_pull(&self, p: u16, d: u16, outcome: PullOutcome) {
         let (pe, de) = (self.engine_id(p), self.engine_id(d));
         self.metrics
             .pulls
@@ -463,101 +461,6 @@ async fn route(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes) -> R
         })
         .inc();
     resp
-}
-
-/// The prefill step with the retry-once rule: when D's params were attached
-/// and the failure is retry-safe, once more without them, on the next
-/// healthy prefill engine when there is another one. Returns P's index and
-/// answer; records the pull's outcome.
-async fn prefill(
-    s: &AppState,
-    req: &ParsedRequest,
-    mut p_idx: u16,
-    decision: &Decision,
-    n_prompt: Option<usize>,
-    request_id: &str,
-) -> Result<(u16, PrefillReply), UpstreamError> {
-    let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
-    let no_reuse = || to_raw(&no_reuse_prefill_params());
-    let holder = decision
-        .decode_engine_id
-        .as_deref()
-        .and_then(|d| s.registry.index_of(d));
-    let send = |p_idx: u16, params: Box<RawValue>, reused: u64| {
-        let p = s.registry.get(p_idx).expect("index");
-        s.upstream.prefill(
-            &p.engine_id,
-            &p.http_url,
-            req.api,
-            request_id,
-            prefill_body(&req.body, &params),
-            n_prompt.map(|n| (n, reused)),
-            timeout,
-        )
-    };
-    let Some(attach) = decision.attach.clone() else {
-        return send(p_idx, no_reuse(), 0).await.map(|r| (p_idx, r));
-    };
-    let holder = holder.expect("attached params name a registered D");
-    match send(p_idx, attach, decision.reused_tokens).await {
-        Ok(r) => {
-            let outcome = PullOutcome::classify(decision.reused_tokens, r.reported_reused);
-            s.record_pull(p_idx, holder, outcome);
-            Ok((p_idx, r))
-        }
-        Err(e) => {
-            s.record_pull(p_idx, holder, PullOutcome::Failed);
-            if !e.retry_safe() {
-                warn!(%request_id, error = %e, "prefill with D's params refused; not retried");
-                return Err(e);
-            }
-            warn!(%request_id, error = %e, "prefill failed with D's params attached; retrying once without them");
-            s.metrics.prefill_retries.inc();
-            if let Some(next) = s.pick(&s.prefill_idx, &s.rr_prefill) {
-                p_idx = next;
-            }
-            send(p_idx, no_reuse(), 0).await.map(|r| (p_idx, r))
-        }
-    }
-}
-
-/// P's params for D, with `remote_host` from the registry.
-fn params_for_decode(
-    s: &AppState,
-    p_idx: u16,
-    reply: PrefillReply,
-) -> Result<Box<RawValue>, RouteError> {
-    let p = s.registry.get(p_idx).expect("index");
-    let body_err = |detail: String| {
-        s.metrics.reject_params("source_prefill");
-        RouteError::Upstream(UpstreamError::new(
-            Stage::Prefill,
-            &p.engine_id,
-            Failure::Body,
-            detail,
-        ))
-    };
-    let raw = reply.params.ok_or_else(|| {
-        body_err("kv_transfer_params: missing in its response (is it a kv_producer?)".into())
-    })?;
-    let params = KvParams::parse_json(raw.get()).map_err(|e| body_err(e.to_string()))?;
-    let Some(emitter) = s
-        .registry
-        .index_of(&params.remote_engine_id)
-        .and_then(|i| s.registry.get(i))
-    else {
-        s.metrics.reject_params("unknown_engine");
-        return Err(RouteError::Upstream(UpstreamError::new(
-            Stage::Prefill,
-            &p.engine_id,
-            Failure::Body,
-            format!(
-                "kv_transfer_params.remote_engine_id: engine {:?} is not in the registry",
-                params.remote_engine_id
-            ),
-        )));
-    };
-    Ok(params.to_request_json(&emitter.side_channel_host, false, true))
 }
 
 async fn route_inner(
