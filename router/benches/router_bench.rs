@@ -28,17 +28,23 @@ struct Counting;
 
 static ALLOCATED: AtomicIsize = AtomicIsize::new(0);
 
+// SAFETY: every method forwards to `System` with the caller's arguments
+// unchanged, so `System`'s guarantees hold; the counter is a side effect.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         ALLOCATED.fetch_add(l.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for `l`.
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         ALLOCATED.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        // SAFETY: `p` was allocated by this allocator (i.e. `System`) with `l`.
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         ALLOCATED.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        // SAFETY: `p` was allocated by `System` with `l`; the caller upholds
+        // `realloc`'s contract for `new`.
         unsafe { System.realloc(p, l, new) }
     }
 }

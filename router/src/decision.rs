@@ -1,7 +1,7 @@
 //! The per-request reuse decision (PROTOCOL.md Router rules 1, 3 and 7).
 //! Pure: the caller has already taken the conversation's entry from the store
 //! (single use) and passes the time in.
-use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::fingerprint::{History, PrefixCheck, check_prefix};
 use crate::registry::Registry;
@@ -47,15 +47,16 @@ impl Reason {
 }
 
 /// A decision for one prefill request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Decision {
     /// Why.
     pub reason: Reason,
     /// Tokens P will READ instead of computing (0 unless pulled).
     pub reused_tokens: u64,
     /// D's params to attach to the prefill request (only when pulled), with
-    /// `remote_host` from the registry and the D→P flags.
-    pub attach: Option<Value>,
+    /// `remote_host` from the registry and the D→P flags; every other member
+    /// exactly as D sent it.
+    pub attach: Option<Box<RawValue>>,
     /// Engine id of the D holding the blocks, when an entry was found.
     pub decode_engine_id: Option<String>,
 }
@@ -109,7 +110,10 @@ pub fn decide(
     }
     out.reason = Reason::Pulled;
     out.reused_tokens = reusable;
-    out.attach = Some(turn.params.expand(&d.engine_id, held, &d.side_channel_host));
+    out.attach = Some(
+        turn.params
+            .expand_json(&d.engine_id, held, &d.side_channel_host),
+    );
     out
 }
 
@@ -166,7 +170,7 @@ mod tests {
         assert_eq!(run(Lookup::Expired, &next, &t).reason, Reason::Expired);
         let d = run(Lookup::Found(turn(&prev, 150)), &next, &t);
         assert_eq!((d.reason, d.reused_tokens), (Reason::Pulled, 150));
-        let a = d.attach.unwrap();
+        let a: serde_json::Value = serde_json::from_str(d.attach.unwrap().get()).unwrap();
         assert_eq!(a["remote_host"], "[::1]");
         assert_eq!(a["do_remote_decode"], true);
         assert_eq!(a["do_remote_prefill"], false);
@@ -186,8 +190,8 @@ mod tests {
         let short: Vec<u32> = (0..10).collect();
         let d = run(Lookup::Found(turn(&short, 12)), &next, &t);
         assert_eq!(
-            (d.reason, d.reused_tokens, d.attach),
-            (Reason::RecomputedBelowThreshold, 0, None)
+            (d.reason, d.reused_tokens, d.attach.is_none()),
+            (Reason::RecomputedBelowThreshold, 0, true)
         );
     }
 }

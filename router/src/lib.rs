@@ -5,29 +5,43 @@
 //! (tenant, `conversation_id`) and, on the next turn, attached to P's request
 //! when the new prompt extends what D holds and the reusable token count
 //! passes the (pushed or static) recompute threshold. See
-//! `shared/PROTOCOL.md`, "Router rules".
+//! `docs/operator-guide.md`, "Router rules".
 //!
 //! Layout: the decision logic is pure and unit-tested ([`params`],
 //! [`fingerprint`], [`store`], [`thresholds`], [`decision`], [`sse`],
-//! [`registry`], [`config`]); [`server`] is the axum/reqwest shell.
+//! [`request`], [`alarms`], [`registry`], [`config`]); the shell is
+//! [`server`] (state, app, one request's walk), [`upstream`] (engine calls
+//! and their error), [`relay`] (D's stream to the client, storing turns),
+//! [`admin`] (the router's own endpoints), [`error`] and [`clock`].
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod alarms;
+pub mod clock;
 pub mod config;
 pub mod decision;
+pub mod error;
 pub mod fingerprint;
 pub mod metrics;
 pub mod params;
+pub mod prefill;
 pub mod registry;
+pub mod relay;
+pub mod request;
 pub mod server;
 pub mod sse;
 pub mod store;
 pub mod thresholds;
+pub mod upstream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::serve::ListenerExt;
 
+pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use config::RouterConfig;
-pub use server::{AppState, Clock, ManualClock, MonotonicClock};
+pub use server::AppState;
 
 /// A router serving on a bound address.
 pub struct RunningRouter {

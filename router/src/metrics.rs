@@ -43,6 +43,26 @@ pub struct EngineLabel {
     pub engine_id: String,
 }
 
+/// A (prefill, decode) engine pair.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PairLabels {
+    /// P's engine id.
+    pub prefill_engine_id: String,
+    /// D's engine id.
+    pub decode_engine_id: String,
+}
+
+/// A pull's outcome for a pair.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PullLabels {
+    /// P's engine id.
+    pub prefill_engine_id: String,
+    /// D's engine id.
+    pub decode_engine_id: String,
+    /// `read`, `declined`, `failed`, `unreported` ([`crate::alarms::PullOutcome`]).
+    pub outcome: &'static str,
+}
+
 /// All metrics.
 pub struct Metrics {
     registry: Registry,
@@ -69,6 +89,15 @@ pub struct Metrics {
     pub engine_healthy: Family<EngineLabel, Gauge>,
     /// `kvloop_router_threshold_pushes_total{reason}`: `applied`, `stale`, `rejected`, `unauthorized`.
     pub threshold_pushes: Family<ReasonLabel, Counter>,
+    /// `kvloop_router_pulls_total{prefill_engine_id,decode_engine_id,outcome}`:
+    /// what P reported of the pulls the router asked for.
+    pub pulls: Family<PullLabels, Counter>,
+    /// `kvloop_router_pull_alarm{prefill_engine_id,decode_engine_id}`: 1 while
+    /// the pair's pulls keep failing.
+    pub pull_alarm: Family<PairLabels, Gauge>,
+    /// `kvloop_router_decode_params_missing_total{decode_engine_id}`: storable
+    /// decode answers of a conversation that carried no `kv_transfer_params`.
+    pub decode_params_missing: Family<EngineLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -157,8 +186,29 @@ impl Metrics {
             "Threshold pushes by outcome",
             threshold_pushes.clone(),
         );
+        let pulls = Family::<PullLabels, Counter>::default();
+        registry.register(
+            "pulls",
+            "Pulls asked for, by what P reported (read, declined, failed, unreported)",
+            pulls.clone(),
+        );
+        let pull_alarm = Family::<PairLabels, Gauge>::default();
+        registry.register(
+            "pull_alarm",
+            "1 while a pair's pulls keep failing",
+            pull_alarm.clone(),
+        );
+        let decode_params_missing = Family::<EngineLabel, Counter>::default();
+        registry.register(
+            "decode_params_missing",
+            "Decode answers that should have carried kv_transfer_params and did not",
+            decode_params_missing.clone(),
+        );
         Self {
             registry,
+            pulls,
+            pull_alarm,
+            decode_params_missing,
             requests,
             ttft_seconds,
             decisions,

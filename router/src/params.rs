@@ -1,236 +1,108 @@
 //! Validation, compact storage and rewriting of `kv_transfer_params`
-//! (shared/PROTOCOL.md, "kv_transfer_params"). Pure: no I/O.
+//! (`docs/operator-guide.md`, "kv_transfer_params"). Pure: no I/O.
 //!
-//! The object is kept opaque: unknown keys pass through untouched; only the
-//! fields the router needs are checked or overwritten.
-use serde_json::{Map, Value};
+//! The object is [`kvloop_router_api::KvTransferParams`]: the fields the
+//! router needs are typed, every member (unknown keys, every number's exact
+//! text) is kept as received and passes to the next engine unchanged; only
+//! `remote_host`, the direction flags and, on reuse, `remote_engine_id` and
+//! `remote_num_tokens` are overwritten.
+use kvloop_router_api::json::RawObject;
+pub use kvloop_router_api::kv_params::{BlockIds, KvTransferParams, ParamsError};
+use serde_json::Value;
+use serde_json::value::RawValue;
 
-/// A malformed `kv_transfer_params` object: names the field and what was expected.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("kv_transfer_params.{field}: expected {expected}")]
-pub struct ParamsError {
-    /// Field path below `kv_transfer_params` (`"."` for the object itself).
-    pub field: &'static str,
-    /// What the field must look like.
-    pub expected: &'static str,
-}
-
-fn err(field: &'static str, expected: &'static str) -> ParamsError {
-    ParamsError { field, expected }
-}
-
-/// Block ids as sent: one list per KV-cache group, or (old versions) one flat list.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BlockIds {
-    /// `[[g0...], [g1...]]`.
-    Grouped(Vec<Vec<u32>>),
-    /// `[b0, b1, ...]`.
-    Flat(Vec<u32>),
-}
-
-impl BlockIds {
-    /// Total block ids over all groups.
-    pub fn len(&self) -> usize {
-        match self {
-            BlockIds::Grouped(g) => g.iter().map(Vec::len).sum(),
-            BlockIds::Flat(f) => f.len(),
-        }
-    }
-    /// True when no block id is present.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    fn to_value(&self) -> Value {
-        match self {
-            BlockIds::Grouped(g) => {
-                Value::Array(g.iter().map(|x| Value::from(x.clone())).collect())
-            }
-            BlockIds::Flat(f) => Value::from(f.clone()),
-        }
-    }
-}
-
-/// A validated `kv_transfer_params` object as returned by an engine.
+/// An engine's validated params ([`KvTransferParams`], which it derefs to).
 #[derive(Debug, Clone, PartialEq)]
-pub struct KvParams {
-    /// Every key except `remote_block_ids` (kept parsed in `block_ids`).
-    rest: Map<String, Value>,
-    /// The block ids.
-    pub block_ids: BlockIds,
-    /// `remote_engine_id`.
-    pub engine_id: String,
-    /// `remote_num_tokens`, when present.
-    pub num_tokens: Option<u64>,
-}
+pub struct KvParams(pub KvTransferParams);
 
-fn block_id(v: &Value) -> Option<u32> {
-    v.as_u64().and_then(|x| u32::try_from(x).ok())
+impl std::ops::Deref for KvParams {
+    type Target = KvTransferParams;
+    fn deref(&self) -> &KvTransferParams {
+        &self.0
+    }
 }
 
 impl KvParams {
-    /// Validate an engine's `kv_transfer_params` object.
+    /// Validate params given as JSON text (the router's engine paths: every
+    /// member is kept exactly). See [`KvTransferParams::parse`].
     ///
-    /// Requires: an object; `remote_engine_id` a non-empty string;
-    /// `remote_request_id` a string; `remote_block_ids` a non-empty array of
-    /// block ids (u32) or of arrays of block ids; `remote_port` an integer in
-    /// `0..=65535`. When present: `remote_host` a string or null; `tp_size` a
-    /// positive integer; `remote_num_tokens` a non-negative integer;
-    /// `do_remote_decode`/`do_remote_prefill` booleans;
-    /// `remote_blocks_expiry_time` a number or null; `transfer_mode` `"pull"`
-    /// or `"push"`.
+    /// # Errors
+    /// [`ParamsError`] naming the first bad field.
+    pub fn parse_json(text: &str) -> Result<Self, ParamsError> {
+        KvTransferParams::parse(text).map(Self)
+    }
+
+    /// Validate params given as a `serde_json::Value` (tests, client bodies).
+    /// Numbers have already gone through `serde_json`'s float parsing here.
     ///
     /// # Errors
     /// [`ParamsError`] naming the first bad field.
     pub fn parse(v: &Value) -> Result<Self, ParamsError> {
-        let obj = v.as_object().ok_or(err(".", "a JSON object"))?;
-        let engine_id = match obj.get("remote_engine_id") {
-            Some(Value::String(s)) if !s.is_empty() => s.clone(),
-            _ => return Err(err("remote_engine_id", "a non-empty string")),
-        };
-        if !matches!(obj.get("remote_request_id"), Some(Value::String(_))) {
-            return Err(err("remote_request_id", "a string"));
-        }
-        let block_ids = match obj.get("remote_block_ids") {
-            Some(Value::Array(a)) if !a.is_empty() => {
-                if a.iter().all(Value::is_array) {
-                    let mut groups = Vec::with_capacity(a.len());
-                    for g in a {
-                        let g = g.as_array().expect("checked");
-                        let ids: Option<Vec<u32>> = g.iter().map(block_id).collect();
-                        groups.push(ids.ok_or(err(
-                            "remote_block_ids",
-                            "block ids as integers in 0..=4294967295",
-                        ))?);
-                    }
-                    BlockIds::Grouped(groups)
-                } else {
-                    let ids: Option<Vec<u32>> = a.iter().map(block_id).collect();
-                    BlockIds::Flat(ids.ok_or(err(
-                        "remote_block_ids",
-                        "block ids as integers in 0..=4294967295",
-                    ))?)
-                }
-            }
-            _ => {
-                return Err(err(
-                    "remote_block_ids",
-                    "a non-empty array of block ids or of arrays of block ids",
-                ));
-            }
-        };
-        if block_ids.is_empty() {
-            return Err(err("remote_block_ids", "at least one block id"));
-        }
-        match obj.get("remote_port").and_then(Value::as_u64) {
-            Some(p) if p <= 65535 => {}
-            _ => return Err(err("remote_port", "an integer in 0..=65535")),
-        }
-        match obj.get("remote_host") {
-            None | Some(Value::Null) | Some(Value::String(_)) => {}
-            _ => return Err(err("remote_host", "a string")),
-        }
-        match obj.get("tp_size") {
-            None | Some(Value::Null) => {}
-            Some(v) if v.as_u64().is_some_and(|x| x >= 1) => {}
-            _ => return Err(err("tp_size", "a positive integer")),
-        }
-        let num_tokens = match obj.get("remote_num_tokens") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .ok_or(err("remote_num_tokens", "a non-negative integer"))?,
-            ),
-        };
-        for f in ["do_remote_decode", "do_remote_prefill"] {
-            match obj.get(f) {
-                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
-                _ => {
-                    return Err(err(
-                        if f == "do_remote_decode" {
-                            "do_remote_decode"
-                        } else {
-                            "do_remote_prefill"
-                        },
-                        "a boolean",
-                    ));
-                }
-            }
-        }
-        match obj.get("remote_blocks_expiry_time") {
-            None | Some(Value::Null) | Some(Value::Number(_)) => {}
-            _ => return Err(err("remote_blocks_expiry_time", "a number or null")),
-        }
-        match obj.get("transfer_mode") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "pull" || s == "push" => {}
-            _ => return Err(err("transfer_mode", "\"pull\" or \"push\"")),
-        }
-        let mut rest = obj.clone();
-        rest.remove("remote_block_ids");
-        Ok(Self {
-            rest,
-            block_ids,
-            engine_id,
-            num_tokens,
-        })
+        Self::parse_json(&v.to_string())
     }
 
     /// The object to send to the next engine, with `remote_host` replaced by
-    /// `host` (already bracketed for IPv6) and the direction flags set.
-    pub fn to_request_value(
+    /// `host` (already bracketed for IPv6) and the direction flags set;
+    /// every other member exactly as received.
+    pub fn to_request_json(
         &self,
         host: &str,
         do_remote_decode: bool,
         do_remote_prefill: bool,
-    ) -> Value {
-        let mut m = self.rest.clone();
-        m.insert("remote_block_ids".into(), self.block_ids.to_value());
-        m.insert("remote_host".into(), Value::String(host.to_string()));
-        m.insert("do_remote_decode".into(), Value::Bool(do_remote_decode));
-        m.insert("do_remote_prefill".into(), Value::Bool(do_remote_prefill));
-        Value::Object(m)
+    ) -> Box<RawValue> {
+        let mut p = self.0.clone();
+        p.set_remote_host(host);
+        p.set_flags(do_remote_decode, do_remote_prefill);
+        p.to_raw_value()
     }
 
-    /// Compact form for the conversation store (block ids run-length encoded,
-    /// other keys as compact JSON, `remote_host` dropped: it is rewritten from
-    /// the registry on use).
+    /// See [`compact`].
     pub fn compact(&self) -> CompactParams {
-        let mut rest = self.rest.clone();
-        rest.remove("remote_host");
-        rest.remove("remote_engine_id");
-        rest.remove("remote_num_tokens");
-        let mut runs = Vec::new();
-        let (flat, groups): (bool, Vec<&[u32]>) = match &self.block_ids {
-            BlockIds::Grouped(g) => (false, g.iter().map(Vec::as_slice).collect()),
-            BlockIds::Flat(f) => (true, vec![f.as_slice()]),
-        };
-        runs.push(groups.len() as u32);
-        for g in groups {
-            let at = runs.len();
-            runs.push(0);
-            let mut i = 0;
-            let mut n = 0u32;
-            while i < g.len() {
-                let start = g[i];
-                let mut len = 1u32;
-                while i + (len as usize) < g.len() && g[i + len as usize] == start.wrapping_add(len)
-                {
-                    len += 1;
-                }
-                runs.push(start);
-                runs.push(len);
-                n += 1;
-                i += len as usize;
+        compact(self)
+    }
+}
+
+/// Compact form for the conversation store (block ids run-length encoded,
+/// other members as their exact JSON text, `remote_host`, `remote_engine_id`
+/// and `remote_num_tokens` dropped: they are rewritten on use).
+pub fn compact(p: &KvTransferParams) -> CompactParams {
+    let mut rest = p.raw().clone();
+    for k in [
+        "remote_block_ids",
+        "remote_host",
+        "remote_engine_id",
+        "remote_num_tokens",
+    ] {
+        rest.remove(k);
+    }
+    let mut runs = Vec::new();
+    let (flat, groups): (bool, Vec<&[u32]>) = match &p.remote_block_ids {
+        BlockIds::Grouped(g) => (false, g.iter().map(Vec::as_slice).collect()),
+        BlockIds::Flat(f) => (true, vec![f.as_slice()]),
+    };
+    runs.push(groups.len() as u32);
+    for g in groups {
+        let at = runs.len();
+        runs.push(0);
+        let mut i = 0;
+        let mut n = 0u32;
+        while i < g.len() {
+            let start = g[i];
+            let mut len = 1u32;
+            while i + (len as usize) < g.len() && g[i + len as usize] == start.wrapping_add(len) {
+                len += 1;
             }
-            runs[at] = n;
+            runs.push(start);
+            runs.push(len);
+            n += 1;
+            i += len as usize;
         }
-        CompactParams {
-            runs: runs.into_boxed_slice(),
-            flat,
-            rest: serde_json::to_string(&Value::Object(rest))
-                .expect("serializable")
-                .into_boxed_str(),
-        }
+        runs[at] = n;
+    }
+    CompactParams {
+        runs: runs.into_boxed_slice(),
+        flat,
+        rest: rest.to_json().into_boxed_str(),
     }
 }
 
@@ -249,11 +121,12 @@ impl CompactParams {
         self.runs.len() * 4 + self.rest.len()
     }
 
-    /// Rebuild the full object, with `remote_engine_id`, `remote_num_tokens`,
-    /// `remote_host` (from the registry) and the flags of a D→P reuse request
-    /// (`do_remote_decode: true`, `do_remote_prefill: false`).
-    pub fn expand(&self, engine_id: &str, num_tokens: u64, host: &str) -> Value {
-        let mut m: Map<String, Value> = serde_json::from_str(&self.rest).unwrap_or_default();
+    /// Rebuild the full object as JSON text, with `remote_engine_id`,
+    /// `remote_num_tokens`, `remote_host` (from the registry) and the flags of
+    /// a D→P reuse request (`do_remote_decode: true`, `do_remote_prefill:
+    /// false`); every other member exactly as D sent it.
+    pub fn expand_json(&self, engine_id: &str, num_tokens: u64, host: &str) -> Box<RawValue> {
+        let mut m = RawObject::parse(&self.rest).unwrap_or_default();
         let mut groups = Vec::new();
         let mut i = 1;
         for _ in 0..self.runs.first().copied().unwrap_or(0) {
@@ -272,13 +145,20 @@ impl CompactParams {
         } else {
             Value::Array(groups.into_iter().map(Value::from).collect())
         };
-        m.insert("remote_block_ids".into(), blocks);
-        m.insert("remote_engine_id".into(), Value::String(engine_id.into()));
-        m.insert("remote_num_tokens".into(), Value::from(num_tokens));
-        m.insert("remote_host".into(), Value::String(host.into()));
-        m.insert("do_remote_decode".into(), Value::Bool(true));
-        m.insert("do_remote_prefill".into(), Value::Bool(false));
-        Value::Object(m)
+        m.set_value("remote_block_ids", &blocks);
+        m.set_value("remote_engine_id", engine_id);
+        m.set_value("remote_num_tokens", &num_tokens);
+        m.set_value("remote_host", host);
+        m.set_value("do_remote_decode", &true);
+        m.set_value("do_remote_prefill", &false);
+        RawValue::from_string(m.to_json()).expect("an object's text is JSON")
+    }
+
+    /// [`CompactParams::expand_json`] as a `serde_json::Value` (tests;
+    /// numbers go through serde_json's float parsing).
+    pub fn expand(&self, engine_id: &str, num_tokens: u64, host: &str) -> Value {
+        serde_json::from_str(self.expand_json(engine_id, num_tokens, host).get())
+            .expect("valid JSON")
     }
 }
 
@@ -307,6 +187,20 @@ pub fn bracket_host(host: &str) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn stored_params_reach_p_bit_exact() {
+        let d = r#"{"remote_block_ids":[[5,6]],"remote_engine_id":"d0","remote_request_id":"r1","remote_host":"10.0.0.9","remote_port":5600,"remote_num_tokens":70,"remote_blocks_expiry_time":1214.2449693849999,"x":[1.50,1e3]}"#;
+        let p = KvParams::parse_json(d).unwrap();
+        let out = p.compact().expand_json("d0", 70, "h").get().to_string();
+        assert!(
+            out.contains(r#""remote_blocks_expiry_time":1214.2449693849999"#),
+            "{out}"
+        );
+        assert!(out.contains(r#""x":[1.50,1e3]"#), "{out}");
+        let to_d = p.to_request_json("h", false, true).get().to_string();
+        assert!(to_d.contains("1214.2449693849999"), "{to_d}");
+    }
 
     fn d_params() -> Value {
         json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_block_ids": [[5,6,7,9,10]],

@@ -1,97 +1,71 @@
-//! The HTTP shell: axum handlers, engine calls (reqwest, HTTP/1.1 keep-alive),
-//! SSE relay, health checks. Decisions are made by the pure modules.
+//! The HTTP shell: the router's state, the axum app, and one request's walk
+//! (parse → decide → prefill → decode → relay). Parsing and body rewrites
+//! are in [`crate::request`], engine calls in [`crate::upstream`], the relay
+//! and the storing of turns in [`crate::relay`], the router's own endpoints
+//! in [`crate::admin`]. Decisions are made by the pure modules.
+use std::collections::HashSet;
 use std::num::NonZeroUsize;
-use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use axum::{Json, Router};
-use futures_util::Stream;
-use kvloop_router_api::{THRESHOLDS_PATH, TOKENS_HEADER, ThresholdUpdate};
-use serde_json::{Map, Value, json};
+use kvloop_router_api::THRESHOLDS_PATH;
+use lru::LruCache;
+use parking_lot::{Mutex, RwLock};
+use serde_json::Value;
 use tracing::{debug, info, warn};
+use xxhash_rust::xxh3::xxh3_64;
 
+use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker};
+use crate::clock::Clock;
 use crate::config::{PrefixCheckMode, RouterConfig};
 use crate::decision::{PromptInfo, decide};
-use crate::fingerprint::{Fingerprint, History, HistoryHasher, hash_tokens};
-use crate::metrics::{CauseLabel, EngineLabel, Metrics, ModeLabel, ReasonLabel, RequestLabels};
-use crate::params::{KvParams, no_reuse_prefill_params};
+use crate::error::RouteError;
+use crate::fingerprint::{History, HistoryHasher, hash_tokens};
+use crate::metrics::{
+    CauseLabel, EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, ReasonLabel, RequestLabels,
+};
+use crate::prefill::{params_for_decode, prefill};
 use crate::registry::{Registry, Role};
-use crate::sse::{ReplySummary, StreamInspector};
+use crate::relay::{Relay, StoreCtx};
+use crate::request::{Api, decode_body, parse_request, tokenize_body};
+use crate::sse::rewrite_body;
 use crate::store::{ConvKey, ConversationStore, Lookup, StoredTurn};
-use crate::thresholds::{ApplyOutcome, ThresholdTable};
-
-/// The router's clock: milliseconds on a monotonic clock. Injected so tests
-/// can move time without sleeping.
-pub trait Clock: Send + Sync + 'static {
-    /// Now, ms.
-    fn now_ms(&self) -> u64;
-}
-
-/// Real monotonic clock (ms since creation).
-pub struct MonotonicClock(Instant);
-
-impl Default for MonotonicClock {
-    fn default() -> Self {
-        Self(Instant::now())
-    }
-}
-
-impl Clock for MonotonicClock {
-    fn now_ms(&self) -> u64 {
-        self.0.elapsed().as_millis() as u64
-    }
-}
-
-/// A clock tests set by hand.
-#[derive(Default)]
-pub struct ManualClock(pub AtomicU64);
-
-impl ManualClock {
-    /// Move forward by `ms`.
-    pub fn advance(&self, ms: u64) {
-        self.0.fetch_add(ms, Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now_ms(&self) -> u64 {
-        self.0.load(Ordering::SeqCst)
-    }
-}
-
-impl<T: Clock> Clock for Arc<T> {
-    fn now_ms(&self) -> u64 {
-        (**self).now_ms()
-    }
-}
+use crate::thresholds::ThresholdTable;
+use crate::upstream::{Failure, Stage, Upstream, UpstreamError};
 
 /// Shared state of a running router.
 pub struct AppState {
-    cfg: RouterConfig,
-    registry: Registry,
-    healthy: Vec<AtomicBool>,
+    pub(crate) cfg: RouterConfig,
+    pub(crate) registry: Registry,
+    pub(crate) healthy: Vec<AtomicBool>,
     store: Mutex<ConversationStore>,
-    thresholds: Mutex<ThresholdTable>,
+    /// Expiry times of stored keys (hash of the key → ms), so a turn whose
+    /// entry the sweeper already dropped is counted `expired`, not `no_entry`.
+    expiries: Mutex<LruCache<u64, u64>>,
+    pub(crate) thresholds: Mutex<ThresholdTable>,
     /// Metrics.
     pub metrics: Metrics,
-    http: reqwest::Client,
+    pub(crate) upstream: Upstream,
     clock: Box<dyn Clock>,
-    rr_prefill: AtomicUsize,
+    pub(crate) rr_prefill: AtomicUsize,
     rr_decode: AtomicUsize,
     tokenize_ok: AtomicBool,
     /// After a failed `/tokenize`, no new attempt before this time (ms).
     tokenize_retry_at_ms: AtomicU64,
     request_seq: AtomicU64,
-    prefill_idx: Vec<u16>,
-    decode_idx: Vec<u16>,
+    pub(crate) prefill_idx: Vec<u16>,
+    pub(crate) decode_idx: Vec<u16>,
+    pub(crate) pulls: Mutex<PullTracker>,
+    pub(crate) missing_params: Mutex<MissingParams>,
+    /// Model ids the engines serve (empty: not known yet, nothing refused).
+    models: RwLock<HashSet<String>>,
 }
 
 /// Errors building the router.
@@ -106,6 +80,13 @@ pub enum BuildError {
     /// HTTP client.
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
+}
+
+/// Back-off after a failed `/tokenize` (the history check is used meanwhile), ms.
+const TOKENIZE_RETRY_MS: u64 = 30_000;
+
+fn key_hash(k: &ConvKey) -> u64 {
+    xxh3_64(format!("{k:?}").as_bytes())
 }
 
 impl AppState {
@@ -131,6 +112,7 @@ impl AppState {
                 })
                 .set(1);
         }
+        let capacity = NonZeroUsize::new(cfg.store_capacity).expect("validated");
         let state = AppState {
             healthy: registry
                 .engines()
@@ -139,19 +121,20 @@ impl AppState {
                 .collect(),
             prefill_idx: registry.with_role(Role::Prefill),
             decode_idx: registry.with_role(Role::Decode),
-            store: Mutex::new(ConversationStore::new(
-                NonZeroUsize::new(cfg.store_capacity).expect("validated"),
-                cfg.store_ttl_ms(),
-            )),
+            store: Mutex::new(ConversationStore::new(capacity, cfg.store_ttl_ms())),
+            expiries: Mutex::new(LruCache::new(capacity)),
             thresholds: Mutex::new(ThresholdTable::new(cfg.kv_recompute_threshold)),
             metrics,
-            http,
+            upstream: Upstream { http },
             clock,
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),
             request_seq: AtomicU64::new(0),
+            pulls: Mutex::new(PullTracker::default()),
+            missing_params: Mutex::new(MissingParams::default()),
+            models: RwLock::new(HashSet::new()),
             registry,
             cfg,
         };
@@ -194,16 +177,16 @@ impl AppState {
         }
     }
 
-    fn now_ms(&self) -> u64 {
+    pub(crate) fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }
 
     /// Stored conversations.
     pub fn store_len(&self) -> usize {
-        self.store.lock().unwrap().len()
+        self.store.lock().len()
     }
 
-    fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {
+    pub(crate) fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {
         if idx.is_empty() {
             return None;
         }
@@ -217,7 +200,7 @@ impl AppState {
     pub fn sweep(&self) {
         let now = self.now_ms();
         let (n, len) = {
-            let mut s = self.store.lock().unwrap();
+            let mut s = self.store.lock();
             (s.sweep_expired(now), s.len())
         };
         if n > 0 {
@@ -229,11 +212,169 @@ impl AppState {
         self.metrics.store_entries.set(len as i64);
     }
 
-    /// Check every engine's `/health` once.
+    /// Take (single use) the stored turn of `key` at `now`. An entry the
+    /// sweeper already dropped at its TTL is still reported `Expired`.
+    fn take_turn(&self, key: &ConvKey, now: u64) -> Lookup {
+        let expiry = self.expiries.lock().pop(&key_hash(key));
+        let mut st = self.store.lock();
+        let l = match st.take(key, now) {
+            Lookup::Missing if expiry.is_some_and(|t| t <= now) => Lookup::Expired,
+            l => l,
+        };
+        self.metrics.store_entries.set(st.len() as i64);
+        l
+    }
+
+    /// Store a finished turn.
+    pub(crate) fn store_turn(&self, key: ConvKey, turn: StoredTurn) {
+        let now = self.now_ms();
+        let h = key_hash(&key);
+        let (ev, len, ttl) = {
+            let mut st = self.store.lock();
+            let ttl = st.ttl_ms();
+            (st.insert(key, turn, now), st.len(), ttl)
+        };
+        self.expiries.lock().put(h, now.saturating_add(ttl));
+        if ev.lru > 0 {
+            self.metrics
+                .evictions
+                .get_or_create(&CauseLabel { cause: "lru" })
+                .inc_by(ev.lru);
+        }
+        self.metrics.store_entries.set(len as i64);
+    }
+
+    pub(crate) fn engine_id(&self, i: u16) -> String {
+        self.registry
+            .get(i)
+            .map(|e| e.engine_id.clone())
+            .unwrap_or_default()
+    }
+
+    /// Record what became of a pull from D `d` to P `p`.
+    pub(crate) fn record_pull(&self, p: u16, d: u16, outcome: PullOutcome) {
+        let (pe, de) = (self.engine_id(p), self.engine_id(d));
+        self.metrics
+            .pulls
+            .get_or_create(&PullLabels {
+                prefill_engine_id: pe.clone(),
+                decode_engine_id: de.clone(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+        let change = self.pulls.lock().record(p, d, outcome);
+        let gauge = |v| {
+            self.metrics
+                .pull_alarm
+                .get_or_create(&PairLabels {
+                    prefill_engine_id: pe.clone(),
+                    decode_engine_id: de.clone(),
+                })
+                .set(v)
+        };
+        match change {
+            Some(AlarmChange::Raised(n)) => {
+                gauge(1);
+                warn!(prefill = %pe, decode = %de, consecutive_failures = n, "pulls of this pair keep failing: P declines or fails the READs of D's blocks and recomputes every turn (check D's side-channel host in the registry and the agents)");
+            }
+            Some(AlarmChange::Cleared) => {
+                gauge(0);
+                info!(prefill = %pe, decode = %de, "pulls of this pair succeed again");
+            }
+            None => {}
+        }
+    }
+
+    /// `/tokenize` on engine `i` within `timeout`: the token ids, or `None`
+    /// (after a failure the history check is used for [`TOKENIZE_RETRY_MS`]).
+    pub(crate) async fn tokenize_on(
+        &self,
+        i: u16,
+        body: &Value,
+        timeout: Duration,
+    ) -> Option<Vec<u32>> {
+        if self.now_ms() < self.tokenize_retry_at_ms.load(Ordering::Relaxed) {
+            return None;
+        }
+        let e = self.registry.get(i)?;
+        let tokens = match self
+            .upstream
+            .tokenize(&e.engine_id, &e.http_url, body, timeout)
+            .await
+        {
+            Ok(t) => Some(t),
+            Err(err) => {
+                debug!(error = %err, "tokenize failed");
+                self.tokenize_retry_at_ms
+                    .store(self.now_ms() + TOKENIZE_RETRY_MS, Ordering::Relaxed);
+                None
+            }
+        };
+        self.set_tokenize_ok(tokens.is_some());
+        tokens
+    }
+
+    /// `GET /v1/models` of engine `i`, when it answers 2xx.
+    pub(crate) async fn fetch_models(&self, i: u16) -> Option<Bytes> {
+        let e = self.registry.get(i)?;
+        let r = self
+            .upstream
+            .http
+            .get(format!("{}/v1/models", e.http_url))
+            .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
+            .send()
+            .await
+            .ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        r.bytes().await.ok()
+    }
+
+    /// The `version` of the first healthy engine that serves `/version`.
+    pub(crate) async fn fetch_version(&self) -> Option<Value> {
+        for &i in self.decode_idx.iter().chain(self.prefill_idx.iter()) {
+            let e = self.registry.get(i)?;
+            if !self.healthy[i as usize].load(Ordering::Relaxed) {
+                continue;
+            }
+            let Ok(r) = self
+                .upstream
+                .http
+                .get(format!("{}/version", e.http_url))
+                .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
+                .send()
+                .await
+            else {
+                continue;
+            };
+            if let Ok(v) = r.json::<Value>().await
+                && let Some(ver) = v.get("version")
+            {
+                return Some(ver.clone());
+            }
+        }
+        None
+    }
+
+    /// Replace the known model ids (from the engines' `/v1/models`).
+    pub(crate) fn set_models(&self, ids: Vec<String>) {
+        if !ids.is_empty() {
+            *self.models.write() = ids.into_iter().collect();
+        }
+    }
+
+    fn serves_model(&self, model: &str) -> bool {
+        let m = self.models.read();
+        m.is_empty() || m.contains(model)
+    }
+
+    /// Check every engine's `/health` once (and learn the models served).
     pub async fn check_health(&self) {
+        let mut answers = Vec::new();
         for (i, e) in self.registry.engines().iter().enumerate() {
             let ok = matches!(
-                self.http
+                self.upstream.http
                     .get(format!("{}/health", e.http_url))
                     .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
                     .send()
@@ -253,7 +394,11 @@ impl AppState {
                     engine_id: e.engine_id.clone(),
                 })
                 .set(i64::from(ok));
+            if ok && let Some(b) = self.fetch_models(i as u16).await {
+                answers.push(b);
+            }
         }
+        self.set_models(crate::admin::merge_models(&answers).1);
     }
 }
 
@@ -263,10 +408,14 @@ pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route(THRESHOLDS_PATH, put(put_thresholds).get(get_thresholds))
+        .route("/v1/models", get(crate::admin::models))
+        .route("/version", get(crate::admin::version))
+        .route("/health", get(crate::admin::health))
+        .route("/metrics", get(crate::admin::metrics))
+        .route(
+            THRESHOLDS_PATH,
+            put(crate::admin::put_thresholds).get(crate::admin::get_thresholds),
+        )
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
@@ -287,41 +436,6 @@ pub fn spawn_background(state: &Arc<AppState>) {
     });
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Api {
-    Completions,
-    Chat,
-}
-
-impl Api {
-    fn path(self) -> &'static str {
-        match self {
-            Api::Completions => "/v1/completions",
-            Api::Chat => "/v1/chat/completions",
-        }
-    }
-    fn label(self) -> &'static str {
-        match self {
-            Api::Completions => "completions",
-            Api::Chat => "chat_completions",
-        }
-    }
-}
-
-fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
-    let message = message.into();
-    let kind = if status.is_client_error() {
-        "invalid_request_error"
-    } else {
-        "upstream_error"
-    };
-    (
-        status,
-        Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}})),
-    )
-        .into_response()
-}
-
 async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     route(s, Api::Completions, headers, body).await
 }
@@ -337,7 +451,7 @@ async fn chat_completions(
 async fn route(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes) -> Response {
     let (outcome, resp) = match route_inner(&s, api, &headers, body).await {
         Ok(r) => ("ok", r),
-        Err((outcome, r)) => (outcome, r),
+        Err(e) => (e.outcome(), e.into_response()),
     };
     s.metrics
         .requests
@@ -349,199 +463,75 @@ async fn route(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes) -> R
     resp
 }
 
-type RouteResult = Result<Response, (&'static str, Response)>;
-
-fn client_err(msg: impl Into<String>) -> (&'static str, Response) {
-    ("client_error", error_response(StatusCode::BAD_REQUEST, msg))
-}
-
-/// Everything known about the prompt for the decision and for storing the turn.
-struct PromptFacts {
-    tokens: Option<Vec<u32>>,
-}
-
-/// Back-off after a failed `/tokenize` (the history check is used meanwhile), ms.
-const TOKENIZE_RETRY_MS: u64 = 30_000;
-
-async fn tokenize(
-    s: &AppState,
-    url: &str,
+async fn route_inner(
+    s: &Arc<AppState>,
     api: Api,
-    body: &Map<String, Value>,
-) -> Option<Vec<u32>> {
-    if s.now_ms() < s.tokenize_retry_at_ms.load(Ordering::Relaxed) {
-        return None;
-    }
-    let mut req = Map::new();
-    if let Some(m) = body.get("model") {
-        req.insert("model".into(), m.clone());
-    }
-    match api {
-        Api::Completions => {
-            req.insert("prompt".into(), body.get("prompt")?.clone());
-        }
-        Api::Chat => {
-            for k in [
-                "messages",
-                "tools",
-                "chat_template",
-                "chat_template_kwargs",
-                "add_generation_prompt",
-                "continue_final_message",
-            ] {
-                if let Some(v) = body.get(k) {
-                    req.insert(k.into(), v.clone());
-                }
-            }
-        }
-    }
-    let r = s
-        .http
-        .post(format!("{url}/tokenize"))
-        .timeout(Duration::from_millis(s.cfg.prefill_timeout_ms))
-        .json(&req)
-        .send()
-        .await;
-    let tokens = match r {
-        Ok(r) if r.status().is_success() => r.json::<Value>().await.ok().and_then(|v| {
-            v.get("tokens")?
-                .as_array()?
-                .iter()
-                .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
-                .collect::<Option<Vec<u32>>>()
-        }),
-        Ok(r) => {
-            debug!(status = %r.status(), "tokenize failed");
-            None
-        }
-        Err(e) => {
-            debug!(error = %e, "tokenize failed");
-            None
-        }
-    };
-    if tokens.is_none() {
-        s.tokenize_retry_at_ms
-            .store(s.now_ms() + TOKENIZE_RETRY_MS, Ordering::Relaxed);
-    }
-    s.set_tokenize_ok(tokens.is_some());
-    tokens
-}
-
-async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Bytes) -> RouteResult {
+    headers: &HeaderMap,
+    raw: Bytes,
+) -> Result<Response, RouteError> {
     let t0 = Instant::now();
-    let mut body: Map<String, Value> = match serde_json::from_slice::<Value>(&raw) {
-        Ok(Value::Object(m)) => m,
-        Ok(_) => return Err(client_err("body: expected a JSON object")),
-        Err(e) => return Err(client_err(format!("body: invalid JSON: {e}"))),
-    };
-    if let Some(p) = body.get("kv_transfer_params") {
-        if p.is_null() {
-            body.remove("kv_transfer_params");
-        } else {
-            if let Err(e) = KvParams::parse(p) {
-                return Err(client_err(e.to_string()));
-            }
-            return Err(client_err(
-                "kv_transfer_params: set by the router from its conversation store; clients may not supply it",
-            ));
-        }
+    let req = parse_request(
+        api,
+        headers,
+        &raw,
+        &s.cfg.tenant_header,
+        &s.cfg.default_tenant,
+    )?;
+    if let Some(m) = &req.model
+        && !s.serves_model(m)
+    {
+        return Err(RouteError::ModelNotFound(m.clone()));
     }
-    match api {
-        Api::Completions if !body.contains_key("prompt") => {
-            return Err(client_err("prompt: required"));
-        }
-        Api::Chat if !body.get("messages").is_some_and(Value::is_array) => {
-            return Err(client_err("messages: expected an array of messages"));
-        }
-        _ => {}
-    }
-    let conversation_id = match body.remove("conversation_id") {
-        Some(Value::String(c)) => Some(c),
-        Some(Value::Null) | None => headers
-            .get("x-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string),
-        Some(_) => return Err(client_err("conversation_id: expected a string")),
-    };
-    let tenant = headers
-        .get(s.cfg.tenant_header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or(&s.cfg.default_tenant)
-        .to_string();
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let unavailable = |role: &str| {
-        (
-            "unavailable",
-            error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("no healthy {role} engine"),
-            ),
-        )
-    };
     let p_idx = s
         .pick(&s.prefill_idx, &s.rr_prefill)
-        .ok_or_else(|| unavailable("prefill"))?;
+        .ok_or(RouteError::Unavailable("prefill"))?;
     let d_idx = s
         .pick(&s.decode_idx, &s.rr_decode)
-        .ok_or_else(|| unavailable("decode"))?;
-    let mut p = s.registry.get(p_idx).expect("index");
-    let d = s.registry.get(d_idx).expect("index");
-    let request_id = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .unwrap_or_else(|| {
-            format!(
-                "kvloop-{}-{}",
-                s.now_ms(),
-                s.request_seq.fetch_add(1, Ordering::Relaxed)
-            )
-        });
+        .ok_or(RouteError::Unavailable("decode"))?;
+    let request_id = req.request_id.clone().unwrap_or_else(|| {
+        format!(
+            "kvloop-{}-{}",
+            s.now_ms(),
+            s.request_seq.fetch_add(1, Ordering::Relaxed)
+        )
+    });
 
     // What the router knows of the prompt.
-    let prompt_token_ids: Option<Vec<u32>> = match (api, body.get("prompt")) {
-        (Api::Completions, Some(Value::Array(a))) if a.iter().all(Value::is_u64) => a
-            .iter()
-            .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
-            .collect(),
-        _ => None,
-    };
-    let facts = PromptFacts {
-        tokens: match prompt_token_ids {
-            Some(t) => Some(t),
-            None if (conversation_id.is_some() || s.cfg.tokenize_every_request)
-                && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
-            {
-                tokenize(s, &p.http_url, api, &body).await
+    let tokens: Option<Vec<u32>> = match &req.prompt_token_ids {
+        Some(t) => Some(t.clone()),
+        None if (req.conversation_id.is_some() || s.cfg.tokenize_every_request)
+            && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
+        {
+            match tokenize_body(api, &req.body) {
+                Some(b) => {
+                    let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
+                    s.tokenize_on(p_idx, &b, timeout).await
+                }
+                None => None,
             }
-            None => None,
-        },
+        }
+        None => None,
     };
-    let history = match (api, body.get("prompt"), body.get("messages")) {
-        (Api::Chat, _, Some(Value::Array(m))) => History::Chat(m),
-        (Api::Completions, Some(Value::String(t)), _) => History::Text(t),
-        _ => History::None,
-    };
+    let history = req.history();
 
     // Decision (single use: the entry leaves the store here).
-    let key = conversation_id.as_deref().map(|c| ConvKey::new(&tenant, c));
+    let key = req
+        .conversation_id
+        .as_deref()
+        .map(|c| ConvKey::new(&req.tenant, c));
     let now = s.now_ms();
     let lookup = match &key {
-        Some(k) => {
-            let mut st = s.store.lock().unwrap();
-            let l = st.take(k, now);
-            s.metrics.store_entries.set(st.len() as i64);
-            l
-        }
+        Some(k) => s.take_turn(k, now),
         None => Lookup::Missing,
     };
+    let p_engine_id = s.engine_id(p_idx);
     let decision = {
-        let th = s.thresholds.lock().unwrap();
+        let th = s.thresholds.lock();
         let info = PromptInfo {
-            tokens: facts.tokens.as_deref(),
+            tokens: tokens.as_deref(),
             history,
         };
-        decide(lookup, &info, &p.engine_id, &s.registry, &th, now)
+        decide(lookup, &info, &p_engine_id, &s.registry, &th, now)
     };
     s.metrics
         .decisions
@@ -549,7 +539,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
             reason: decision.reason.as_str(),
         })
         .inc();
-    debug!(%request_id, reason = decision.reason.as_str(), reused = decision.reused_tokens, prefill = %p.engine_id, decode = %d.engine_id, "decision");
+    debug!(%request_id, reason = decision.reason.as_str(), reused = decision.reused_tokens, prefill = %p_engine_id, decode = %s.engine_id(d_idx), "decision");
 
     // What to store after the turn.
     let ctx = key.map(|key| {
@@ -563,532 +553,68 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
             state: s.clone(),
             key,
             decode_engine: d_idx,
-            tokens: facts
-                .tokens
-                .as_ref()
-                .map(|t| (t.len() as u32, hash_tokens(t))),
+            prefill_engine: p_idx,
+            tokens: tokens.as_ref().map(|t| (t.len() as u32, hash_tokens(t))),
             history: (!matches!(history, History::None)).then_some(hist),
             api,
+            model: req.model.clone(),
+            hidden_output: req.hidden_output,
+            stop_str_hidden: req.stop_str_hidden,
         }
     });
-    // Prefill request.
-    let mut p_body = body.clone();
-    p_body.insert("stream".into(), Value::Bool(false));
-    p_body.insert("max_tokens".into(), Value::from(1));
-    if p_body.contains_key("max_completion_tokens") {
-        p_body.insert("max_completion_tokens".into(), Value::from(1));
-    }
-    for k in ["stream_options", "min_tokens", "min_completion_tokens"] {
-        p_body.remove(k);
-    }
-    let attached = decision.attach.is_some();
-    p_body.insert(
-        "kv_transfer_params".into(),
-        decision
-            .attach
-            .clone()
-            .unwrap_or_else(no_reuse_prefill_params),
-    );
-    let n_prompt = facts.tokens.as_ref().map(Vec::len);
-    let mut p_resp = send_prefill(
-        s,
-        &p.http_url,
-        api,
-        &request_id,
-        &p_body,
-        n_prompt,
-        decision.reused_tokens,
-    )
-    .await;
-    if p_resp.is_err() && attached {
-        warn!(%request_id, prefill = %p.engine_id, error = %p_resp.as_ref().err().unwrap(), "prefill failed with D's params attached; retrying once without them");
-        s.metrics.prefill_retries.inc();
-        p_body.insert("kv_transfer_params".into(), no_reuse_prefill_params());
-        // Once, without D's params; on the next healthy prefill engine when
-        // there is another one (round robin), else the same.
-        if let Some(next) = s.pick(&s.prefill_idx, &s.rr_prefill) {
-            p = s.registry.get(next).expect("index");
-        }
-        p_resp = send_prefill(s, &p.http_url, api, &request_id, &p_body, n_prompt, 0).await;
-    }
-    let p_json = p_resp.map_err(|e| {
-        warn!(%request_id, prefill = %p.engine_id, error = %e, "prefill failed");
-        (
-            "prefill_error",
-            error_response(
-                StatusCode::BAD_GATEWAY,
-                format!("prefill engine {}: {e}", p.engine_id),
-            ),
-        )
-    })?;
-    let p_params = p_json.get("kv_transfer_params").filter(|v| !v.is_null()).ok_or_else(|| {
-        s.metrics.reject_params("source_prefill");
-        (
-            "prefill_error",
-            error_response(
-                StatusCode::BAD_GATEWAY,
-                format!("prefill engine {}: kv_transfer_params: missing in its response (is it a kv_producer?)", p.engine_id),
-            ),
-        )
-    })?;
-    let p_params = KvParams::parse(p_params).map_err(|e| {
-        s.metrics.reject_params("source_prefill");
-        (
-            "prefill_error",
-            error_response(
-                StatusCode::BAD_GATEWAY,
-                format!("prefill engine {}: {e}", p.engine_id),
-            ),
-        )
-    })?;
-    let Some(emitter) = s
-        .registry
-        .index_of(&p_params.engine_id)
-        .and_then(|i| s.registry.get(i))
-    else {
-        s.metrics.reject_params("unknown_engine");
-        return Err((
-            "prefill_error",
-            error_response(
-                StatusCode::BAD_GATEWAY,
-                format!(
-                    "kv_transfer_params.remote_engine_id: engine {:?} is not in the registry",
-                    p_params.engine_id
-                ),
-            ),
-        ));
-    };
-    let d_params = p_params.to_request_value(&emitter.side_channel_host, false, true);
 
-    // Decode request: the client's body with P's params. Never resent to another D.
-    let mut d_body = body;
-    d_body.insert("kv_transfer_params".into(), d_params);
-    let d_bytes = serde_json::to_vec(&Value::Object(d_body)).expect("serializable");
-    let d_req = s
-        .http
-        .post(format!("{}{}", d.http_url, api.path()))
-        .header("x-request-id", &request_id)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(d_bytes);
-    let d_resp = match tokio::time::timeout(
-        Duration::from_millis(s.cfg.decode_timeout_ms),
-        d_req.send(),
+    let (p_idx, p_reply) = prefill(
+        s,
+        &req,
+        p_idx,
+        &decision,
+        tokens.as_ref().map(Vec::len),
+        &request_id,
     )
     .await
-    {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            warn!(%request_id, decode = %d.engine_id, error = %e, "decode failed; P's params are not resent to another decode engine");
-            return Err((
-                "decode_error",
-                error_response(
-                    StatusCode::BAD_GATEWAY,
-                    format!("decode engine {}: {e}", d.engine_id),
-                ),
-            ));
-        }
-        Err(_) => {
-            return Err((
-                "decode_error",
-                error_response(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    format!("decode engine {}: no response headers in time", d.engine_id),
-                ),
-            ));
-        }
-    };
-    if !d_resp.status().is_success() {
-        let status = d_resp.status();
-        let text = d_resp.text().await.unwrap_or_default();
-        warn!(%request_id, decode = %d.engine_id, %status, "decode failed; P's params are not resent to another decode engine");
-        return Err((
-            "decode_error",
-            error_response(
-                StatusCode::BAD_GATEWAY,
-                format!("decode engine {}: HTTP {status}: {text}", d.engine_id),
-            ),
-        ));
-    }
+    .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
+    let d_params = params_for_decode(s, p_idx, p_reply)?;
 
-    let content_type = d_resp.headers().get(header::CONTENT_TYPE).cloned();
+    // Decode request: the client's body with P's params. Never resent to another D.
+    let d = s.registry.get(d_idx).expect("index");
+    let d_resp = s
+        .upstream
+        .decode(
+            &d.engine_id,
+            &d.http_url,
+            api,
+            &request_id,
+            decode_body(&req.body, &d_params),
+            Duration::from_millis(s.cfg.decode_timeout_ms),
+        )
+        .await
+        .inspect_err(|e| warn!(%request_id, error = %e, "decode failed; P's params are not resent to another decode engine"))?;
+
     let mut builder = Response::builder()
         .status(StatusCode::OK)
         .header("x-request-id", &request_id);
-    if let Some(ct) = content_type {
-        builder = builder.header(header::CONTENT_TYPE, ct);
+    if let Some(ct) = d_resp.headers().get(header::CONTENT_TYPE) {
+        builder = builder.header(header::CONTENT_TYPE, ct.clone());
     }
-    if stream {
-        let relay = Relay {
-            inner: Box::pin(d_resp.bytes_stream()),
-            inspect: ctx.is_some(),
-            inspector: StreamInspector::default(),
-            ctx,
-            t0,
-            first: true,
-            state: s.clone(),
-        };
-        Ok(builder
+    if req.stream {
+        let relay = Relay::new(Box::pin(d_resp.bytes_stream()), ctx, t0, s.clone());
+        return Ok(builder
             .body(Body::from_stream(relay))
-            .expect("valid response"))
-    } else {
-        let bytes = d_resp.bytes().await.map_err(|e| {
-            (
-                "decode_error",
-                error_response(
-                    StatusCode::BAD_GATEWAY,
-                    format!("decode engine {}: {e}", d.engine_id),
-                ),
-            )
-        })?;
-        s.metrics.ttft_seconds.observe(t0.elapsed().as_secs_f64());
-        if let Some(ctx) = ctx {
-            let mut summary = ReplySummary::default();
-            match serde_json::from_slice::<Value>(&bytes) {
-                Ok(v) => summary.absorb(&v),
-                Err(e) => debug!(error = %e, "decode reply is not JSON"),
-            }
-            ctx.finish(&summary, false);
-        }
-        Ok(builder.body(Body::from(bytes)).expect("valid response"))
+            .expect("valid response"));
     }
-}
-
-/// Prefill errors (both lead to the retry-once rule when params were attached).
-#[derive(Debug, thiserror::Error)]
-enum PrefillError {
-    #[error("{0}")]
-    Transport(#[from] reqwest::Error),
-    #[error("HTTP {0}: {1}")]
-    Status(StatusCode, String),
-    #[error("response body: {0}")]
-    Body(String),
-}
-
-async fn send_prefill(
-    s: &AppState,
-    url: &str,
-    api: Api,
-    request_id: &str,
-    body: &Map<String, Value>,
-    n_prompt: Option<usize>,
-    reused: u64,
-) -> Result<Value, PrefillError> {
-    let mut req = s
-        .http
-        .post(format!("{url}{}", api.path()))
-        .timeout(Duration::from_millis(s.cfg.prefill_timeout_ms))
-        .header("x-request-id", request_id)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(serde_json::to_vec(body).expect("serializable"));
-    if let Some(n) = n_prompt {
-        req = req.header(TOKENS_HEADER, format!("prompt={n},reused={reused}"));
+    let bytes = d_resp.bytes().await.map_err(|e| {
+        UpstreamError::new(
+            Stage::Decode,
+            &d.engine_id,
+            Failure::Transport,
+            e.to_string(),
+        )
+    })?;
+    s.metrics.ttft_seconds.observe(t0.elapsed().as_secs_f64());
+    let (summary, rewritten) = rewrite_body(&bytes);
+    if let Some(ctx) = ctx {
+        ctx.finish(summary, false).await;
     }
-    let r = req.send().await?;
-    let status = r.status();
-    if !status.is_success() {
-        let text = r.text().await.unwrap_or_default();
-        return Err(PrefillError::Status(status, text));
-    }
-    let bytes = r.bytes().await?;
-    serde_json::from_slice(&bytes).map_err(|e| PrefillError::Body(e.to_string()))
-}
-
-/// What a finished turn needs to be stored.
-struct StoreCtx {
-    state: Arc<AppState>,
-    key: ConvKey,
-    decode_engine: u16,
-    tokens: Option<(u32, u64)>,
-    history: Option<HistoryHasher>,
-    api: Api,
-}
-
-impl StoreCtx {
-    fn skip(&self, reason: &'static str) {
-        self.state
-            .metrics
-            .store_skipped
-            .get_or_create(&ReasonLabel { reason })
-            .inc();
-    }
-
-    fn finish(self, summary: &ReplySummary, streamed: bool) {
-        let s = &self.state;
-        if !summary.storable(streamed) {
-            self.skip(if summary.rewritable_output {
-                "rewritable_output"
-            } else if streamed && !summary.done {
-                "incomplete_stream"
-            } else {
-                "abnormal_finish"
-            });
-            return;
-        }
-        let Some(raw) = &summary.kv_transfer_params else {
-            self.skip("no_params");
-            return;
-        };
-        let params = match KvParams::parse(raw) {
-            Ok(p) => p,
-            Err(e) => {
-                warn!(error = %e, "decode engine returned malformed kv_transfer_params; not stored");
-                s.metrics.reject_params("source_decode");
-                return;
-            }
-        };
-        let Some(idx) = s.registry.index_of(&params.engine_id) else {
-            warn!(engine = %params.engine_id, "kv_transfer_params from an unregistered engine; not stored");
-            s.metrics.reject_params("unknown_engine");
-            return;
-        };
-        if idx != self.decode_engine {
-            warn!(engine = %params.engine_id, "kv_transfer_params name another engine than the decode engine that answered; not stored");
-            s.metrics.reject_params("source_decode");
-            return;
-        }
-        let Some(held) = params.num_tokens.and_then(|n| u32::try_from(n).ok()) else {
-            self.skip("no_remote_num_tokens");
-            return;
-        };
-        let mut fp = Fingerprint::default();
-        if let Some((n, h)) = self.tokens {
-            fp.tokens_len = n;
-            fp.tokens_hash = h;
-        }
-        if let Some(mut hist) = self.history {
-            match self.api {
-                Api::Chat => hist.assistant(&summary.text),
-                Api::Completions => hist.text(&summary.text),
-            }
-            (fp.history_len, fp.history_hash) = hist.finish();
-        }
-        let turn = StoredTurn {
-            params: params.compact(),
-            decode_engine: idx,
-            remote_num_tokens: held,
-            fingerprint: fp,
-            expires_at_ms: 0,
-        };
-        let now = s.now_ms();
-        let (ev, len) = {
-            let mut st = s.store.lock().unwrap();
-            (st.insert(self.key, turn, now), st.len())
-        };
-        if ev.lru > 0 {
-            s.metrics
-                .evictions
-                .get_or_create(&CauseLabel { cause: "lru" })
-                .inc_by(ev.lru);
-        }
-        s.metrics.store_entries.set(len as i64);
-    }
-}
-
-/// Forwards D's SSE bytes unchanged as they arrive, inspecting them on the way.
-struct Relay {
-    inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
-    /// Inspect the bytes (only when the turn may be stored).
-    inspect: bool,
-    inspector: StreamInspector,
-    ctx: Option<StoreCtx>,
-    t0: Instant,
-    first: bool,
-    state: Arc<AppState>,
-}
-
-impl Stream for Relay {
-    type Item = Result<Bytes, std::io::Error>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        match this.inner.as_mut().poll_next(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(b))) => {
-                if this.first {
-                    this.first = false;
-                    this.state
-                        .metrics
-                        .ttft_seconds
-                        .observe(this.t0.elapsed().as_secs_f64());
-                }
-                if this.inspect {
-                    this.inspector.feed(&b);
-                }
-                Poll::Ready(Some(Ok(b)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.ctx = None; // broken stream: never stored
-                Poll::Ready(Some(Err(std::io::Error::other(e))))
-            }
-            Poll::Ready(None) => {
-                this.inspector.finish();
-                if let Some(ctx) = this.ctx.take() {
-                    ctx.finish(&this.inspector.summary, true);
-                }
-                Poll::Ready(None)
-            }
-        }
-    }
-}
-
-async fn models(State(s): State<Arc<AppState>>) -> Response {
-    let order = s.decode_idx.iter().chain(s.prefill_idx.iter());
-    for &i in order {
-        if !s.healthy[i as usize].load(Ordering::Relaxed) {
-            continue;
-        }
-        let e = s.registry.get(i).expect("index");
-        if let Ok(r) = s.http.get(format!("{}/v1/models", e.http_url)).send().await
-            && r.status().is_success()
-            && let Ok(b) = r.bytes().await
-        {
-            return (
-                [(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
-                b,
-            )
-                .into_response();
-        }
-    }
-    error_response(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "no healthy engine answered /v1/models",
-    )
-}
-
-async fn health(State(s): State<Arc<AppState>>) -> Response {
-    let engines: Vec<Value> = s
-        .registry
-        .engines()
-        .iter()
-        .enumerate()
-        .map(|(i, e)| {
-            json!({"engine_id": e.engine_id, "role": e.role, "http_url": e.http_url,
-                   "healthy": s.healthy[i].load(Ordering::Relaxed)})
-        })
-        .collect();
-    let any = |idx: &[u16]| {
-        idx.iter()
-            .any(|&i| s.healthy[i as usize].load(Ordering::Relaxed))
-    };
-    let ok = any(&s.prefill_idx) && any(&s.decode_idx);
-    let body = json!({
-        "status": if ok { "ok" } else { "degraded" },
-        "prefix_check": s.prefix_check_in_force().as_str(),
-        "prefix_check_configured": s.cfg.prefix_check.as_str(),
-        "store_entries": s.store_len(),
-        "kv_recompute_threshold": s.cfg.kv_recompute_threshold,
-        "engines": engines,
-    });
-    (
-        if ok {
-            StatusCode::OK
-        } else {
-            StatusCode::SERVICE_UNAVAILABLE
-        },
-        Json(body),
-    )
-        .into_response()
-}
-
-async fn metrics(State(s): State<Arc<AppState>>) -> Response {
-    s.sweep();
-    (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-        )],
-        s.metrics.encode(),
-    )
-        .into_response()
-}
-
-fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
-    if s.cfg.admin_token.is_empty() {
-        return false;
-    }
-    let Some(v) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    else {
-        return false;
-    };
-    let Some(tok) = v.strip_prefix("Bearer ") else {
-        return false;
-    };
-    // constant-time comparison
-    let (a, b) = (tok.as_bytes(), s.cfg.admin_token.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-async fn put_thresholds(
-    State(s): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let count = |reason| {
-        s.metrics
-            .threshold_pushes
-            .get_or_create(&ReasonLabel { reason })
-            .inc()
-    };
-    if !authorized(&s, &headers) {
-        count("unauthorized");
-        return error_response(
-            StatusCode::UNAUTHORIZED,
-            "Authorization: expected `Bearer <admin_token>`",
-        );
-    }
-    let u: ThresholdUpdate = match serde_json::from_slice(&body) {
-        Ok(u) => u,
-        Err(e) => {
-            count("rejected");
-            return error_response(StatusCode::BAD_REQUEST, format!("body: {e}"));
-        }
-    };
-    let now = s.now_ms();
-    let r = s
-        .thresholds
-        .lock()
-        .unwrap()
-        .apply(&u, now, |id| s.registry.index_of(id).is_some());
-    match r {
-        Ok(ApplyOutcome::Applied(n)) => {
-            count("applied");
-            debug!(agent = %u.agent_id, seq = u.seq, pairs = n, "thresholds applied");
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Ok(ApplyOutcome::StaleSeq { last_seq }) => {
-            count("stale");
-            info!(agent = %u.agent_id, seq = u.seq, last_seq, "threshold push with a lower seq ignored");
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Err(e) => {
-            count("rejected");
-            error_response(StatusCode::BAD_REQUEST, e.to_string())
-        }
-    }
-}
-
-async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if !authorized(&s, &headers) {
-        return error_response(
-            StatusCode::UNAUTHORIZED,
-            "Authorization: expected `Bearer <admin_token>`",
-        );
-    }
-    let now = s.now_ms();
-    let th = s.thresholds.lock().unwrap();
-    let pairs: Vec<Value> = th
-        .snapshot(now)
-        .into_iter()
-        .map(|(p, d, t, left, agent)| {
-            json!({"prefill_engine_id": p, "decode_engine_id": d, "threshold_tokens": t,
-                   "valid_for_ms_left": left, "agent_id": agent, "in_force": left > 0})
-        })
-        .collect();
-    Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs}))
-        .into_response()
+    let body = rewritten.map_or(Body::from(bytes), Body::from);
+    Ok(builder.body(body).expect("valid response"))
 }

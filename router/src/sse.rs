@@ -1,35 +1,68 @@
-//! Inspection of D's replies (PROTOCOL.md Router rules 2 and 4). Pure.
+//! Inspection and rewriting of D's replies (router rules 2 and 4 of
+//! `docs/operator-guide.md`). Pure: bytes in, bytes out.
 //!
-//! [`StreamInspector`] is fed the SSE bytes as they are forwarded (it never
-//! holds them back) and keeps only an incomplete trailing line. Per `data:`
-//! line it records the top-level `kv_transfer_params`, the finish reason, the
-//! answer text, whether reasoning or tool-call output appeared, and `[DONE]`.
+//! D's `kv_transfer_params` are internal (block ids, engine hosts and
+//! ports): they are captured here, exactly as D wrote them, and removed from
+//! what the client gets. In a stream, a chunk that carried them is rewritten
+//! without them, and dropped when nothing is left that a client reads (no
+//! `choices` entry and no `usage`): OpenAI-conformant clients read
+//! `choices[0]` of every chunk. Every other event is forwarded byte for byte.
+//!
+//! [`StreamRewriter`] works event by event (the shared [`SseParser`]): an
+//! event is forwarded once its closing blank line has arrived, which is when
+//! a client would dispatch it anyway.
+use kvloop_router_api::json::RawObject;
+use kvloop_router_api::sse::{SseEvent, SseParser};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// What a reply said, as far as the router cares.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct ReplySummary {
-    /// Top-level `kv_transfer_params` (last non-null one seen).
-    pub kv_transfer_params: Option<Value>,
+    /// Top-level `kv_transfer_params` (last non-null one seen), exact text.
+    pub kv_transfer_params: Option<Box<RawValue>>,
     /// `finish_reason` of choice 0.
     pub finish_reason: Option<String>,
     /// The answer text of choice 0 (content deltas or completion text).
     pub text: String,
     /// Reasoning or tool-call output appeared (the client may rewrite it).
     pub rewritable_output: bool,
+    /// Choice 0 stopped on a stop string (`stop_reason` a string): unless the
+    /// request set `include_stop_str_in_output`, D holds tokens the client
+    /// never saw.
+    pub stopped_on_string: bool,
+    /// An error object (`{"error": ...}`) appeared in the reply.
+    pub error: bool,
     /// `data: [DONE]` seen (streams only).
     pub done: bool,
     /// Number of choices seen beyond index 0 (n > 1 replies are not stored).
     pub extra_choices: bool,
+    /// `usage.completion_tokens`, when reported.
+    pub completion_tokens: Option<u64>,
 }
 
 impl ReplySummary {
-    /// Finished with `stop` or `length`, no rewritable output, single choice.
+    /// Finished with `stop` or `length`, no error, no rewritable output,
+    /// single choice, and (streams) completed with `[DONE]`.
     pub fn storable(&self, streamed: bool) -> bool {
         matches!(self.finish_reason.as_deref(), Some("stop") | Some("length"))
+            && !self.error
             && !self.rewritable_output
             && !self.extra_choices
             && (!streamed || self.done)
+    }
+
+    /// Why [`ReplySummary::storable`] is false (a `store_skipped` reason).
+    pub fn skip_reason(&self, streamed: bool) -> &'static str {
+        if self.error {
+            "error_event"
+        } else if self.rewritable_output {
+            "rewritable_output"
+        } else if streamed && !self.done {
+            "incomplete_stream"
+        } else {
+            "abnormal_finish"
+        }
     }
 
     fn absorb_choice(&mut self, c: &Value) {
@@ -39,6 +72,9 @@ impl ReplySummary {
         }
         if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
             self.finish_reason = Some(f.to_string());
+        }
+        if c.get("stop_reason").is_some_and(Value::is_string) {
+            self.stopped_on_string = true;
         }
         if let Some(t) = c.get("text").and_then(Value::as_str) {
             self.text.push_str(t);
@@ -68,68 +104,112 @@ impl ReplySummary {
         }
     }
 
-    /// Absorb one JSON object (a stream chunk or a whole response).
-    pub fn absorb(&mut self, v: &Value) {
-        if let Some(p) = v.get("kv_transfer_params").filter(|p| !p.is_null()) {
-            self.kv_transfer_params = Some(p.clone());
+    /// Absorb one JSON object (a stream chunk or a whole response) and
+    /// remove its `kv_transfer_params`. Returns whether it had them.
+    pub fn absorb(&mut self, obj: &mut RawObject) -> bool {
+        let params = obj.remove("kv_transfer_params");
+        let had = params.is_some();
+        if let Some(p) = params.filter(|p| p.get() != "null") {
+            self.kv_transfer_params = Some(p);
         }
-        if let Some(choices) = v.get("choices").and_then(Value::as_array) {
-            for c in choices {
+        if obj.get("error").is_some_and(|e| e.get() != "null") {
+            self.error = true;
+        }
+        if let Some(Value::Array(choices)) = parse(obj.get("choices")) {
+            for c in &choices {
                 self.absorb_choice(c);
             }
         }
+        if let Some(n) =
+            parse(obj.get("usage")).and_then(|u| u.get("completion_tokens").and_then(Value::as_u64))
+        {
+            self.completion_tokens = Some(n);
+        }
+        had
     }
 }
 
-/// Incremental SSE inspector.
+fn parse(raw: Option<&RawValue>) -> Option<Value> {
+    raw.and_then(|r| serde_json::from_str(r.get()).ok())
+}
+
+/// True when a chunk still carries something a client reads: a non-empty
+/// `choices` array or a non-null `usage`.
+fn readable(obj: &RawObject) -> bool {
+    let choices = obj
+        .get("choices")
+        .is_some_and(|c| !matches!(c.get().trim(), "[]" | "null"));
+    let usage = obj.get("usage").is_some_and(|u| u.get() != "null");
+    choices || usage
+}
+
+/// A non-streaming reply: the summary and the body to send to the client
+/// (without `kv_transfer_params`; other members exactly as D wrote them).
+/// A body that is not a JSON object is returned unchanged.
+pub fn rewrite_body(body: &[u8]) -> (ReplySummary, Option<Vec<u8>>) {
+    let mut summary = ReplySummary::default();
+    let Ok(mut obj) = RawObject::parse_slice(body) else {
+        return (summary, None);
+    };
+    let had = summary.absorb(&mut obj);
+    (summary, had.then(|| obj.to_json().into_bytes()))
+}
+
+/// Incremental SSE rewriter of D's stream.
 #[derive(Debug, Default)]
-pub struct StreamInspector {
-    partial: Vec<u8>,
+pub struct StreamRewriter {
+    parser: SseParser,
     /// What was seen so far.
     pub summary: ReplySummary,
-    /// Bytes of `data:` lines that were not valid JSON (ignored).
-    pub unparsed_lines: u64,
+    /// `data:` payloads that were not valid JSON (forwarded unchanged).
+    pub unparsed_events: u64,
 }
 
-impl StreamInspector {
-    /// Feed the next bytes of the stream.
-    pub fn feed(&mut self, chunk: &[u8]) {
-        let mut rest = chunk;
-        while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
-            let (line, tail) = rest.split_at(nl);
-            rest = &tail[1..];
-            if self.partial.is_empty() {
-                self.line(line);
-            } else {
-                let mut l = std::mem::take(&mut self.partial);
-                l.extend_from_slice(line);
-                self.line(&l);
-            }
+impl StreamRewriter {
+    /// Feed the next bytes of D's stream; returns the bytes to forward now.
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(chunk.len());
+        for ev in self.parser.push(chunk) {
+            self.event(ev, &mut out);
         }
-        self.partial.extend_from_slice(rest);
+        out
     }
 
-    /// End of stream: process a last line without newline.
-    pub fn finish(&mut self) {
-        if !self.partial.is_empty() {
-            let l = std::mem::take(&mut self.partial);
-            self.line(&l);
+    /// End of D's stream: returns the bytes of an unterminated last event.
+    pub fn finish(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        if let Some(ev) = self.parser.finish() {
+            self.event(ev, &mut out);
         }
+        out
     }
 
-    fn line(&mut self, line: &[u8]) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(data) = line.strip_prefix(b"data:") else {
+    fn event(&mut self, ev: SseEvent, out: &mut Vec<u8>) {
+        let Some(data) = ev.data.as_deref() else {
+            out.extend_from_slice(&ev.raw);
             return;
         };
-        let data = data.strip_prefix(b" ").unwrap_or(data);
-        if data == b"[DONE]" {
+        if data.trim() == "[DONE]" {
             self.summary.done = true;
+            out.extend_from_slice(&ev.raw);
             return;
         }
-        match serde_json::from_slice::<Value>(data) {
-            Ok(v) => self.summary.absorb(&v),
-            Err(_) => self.unparsed_lines += 1,
+        let Ok(mut obj) = RawObject::parse(data) else {
+            self.unparsed_events += 1;
+            out.extend_from_slice(&ev.raw);
+            return;
+        };
+        if !self.summary.absorb(&mut obj) {
+            out.extend_from_slice(&ev.raw);
+            return;
+        }
+        if readable(&obj) {
+            if let Some(e) = &ev.event {
+                out.extend_from_slice(format!("event: {e}\n").as_bytes());
+            }
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(obj.to_json().as_bytes());
+            out.extend_from_slice(b"\n\n");
         }
     }
 }
@@ -138,39 +218,111 @@ impl StreamInspector {
 mod tests {
     use super::*;
 
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"he\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"llo\"},\"logprobs\":{\"x\":-0.10000000000000001},\"finish_reason\":null}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: {\"choices\":[],\"kv_transfer_params\":{\"remote_engine_id\":\"d0\",\"t\":1214.2449693849999}}\n\n",
+        "data: [DONE]\n\n"
+    );
+
+    fn run(stream: &str, split: usize) -> (StreamRewriter, String) {
+        let mut s = StreamRewriter::default();
+        let mut out = Vec::new();
+        for c in stream.as_bytes().chunks(split) {
+            out.extend(s.feed(c));
+        }
+        out.extend(s.finish());
+        (s, String::from_utf8(out).unwrap())
+    }
+
     #[test]
-    fn captures_params_from_final_chunk_across_split_reads() {
-        let stream = concat!(
-            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"he\"},\"finish_reason\":null}]}\n\n",
-            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"llo\"},\"finish_reason\":null}]}\n\n",
-            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
-            "data: {\"choices\":[],\"kv_transfer_params\":{\"remote_engine_id\":\"d0\"}}\n\n",
-            "data: [DONE]\n\n"
-        );
+    fn params_only_chunk_is_captured_exactly_and_dropped() {
         for split in [1, 3, 7, 64, 1000] {
-            let mut s = StreamInspector::default();
-            for c in stream.as_bytes().chunks(split) {
-                s.feed(c);
-            }
-            s.finish();
+            let (s, out) = run(STREAM, split);
             assert_eq!(s.summary.text, "hello");
             assert_eq!(
-                s.summary.kv_transfer_params.as_ref().unwrap()["remote_engine_id"],
-                "d0"
+                s.summary.kv_transfer_params.as_ref().unwrap().get(),
+                r#"{"remote_engine_id":"d0","t":1214.2449693849999}"#
             );
             assert!(s.summary.storable(true));
+            assert!(!out.contains("kv_transfer_params"), "{out}");
+            let without = STREAM.replace(
+                "data: {\"choices\":[],\"kv_transfer_params\":{\"remote_engine_id\":\"d0\",\"t\":1214.2449693849999}}\n\n",
+                "",
+            );
+            assert_eq!(out, without, "other events forwarded byte for byte");
         }
     }
 
     #[test]
+    fn params_on_the_finish_chunk_are_stripped_and_the_chunk_kept() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}],\"kv_transfer_params\":{\"remote_engine_id\":\"d0\"}}\r\n\r\n",
+            "data: {\"choices\":[],\"usage\":{\"completion_tokens\":3},\"kv_transfer_params\":null}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let (s, out) = run(stream, 5);
+        assert!(s.summary.storable(true));
+        assert!(s.summary.kv_transfer_params.is_some());
+        assert_eq!(s.summary.completion_tokens, Some(3));
+        assert!(!out.contains("kv_transfer_params"), "{out}");
+        assert!(out.contains("\"finish_reason\":\"length\""), "{out}");
+        assert!(
+            out.contains("\"usage\":{\"completion_tokens\":3}"),
+            "usage chunks pass"
+        );
+        for line in out.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if line == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(line).unwrap();
+            assert!(
+                v["choices"].get(0).is_some() || !v["usage"].is_null(),
+                "{line}"
+            );
+        }
+    }
+
+    #[test]
+    fn error_event_is_never_storable() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"error\":{\"message\":\"engine died\",\"code\":500}}\n\n",
+            "data: {\"choices\":[],\"kv_transfer_params\":{\"remote_engine_id\":\"d0\"}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let (s, out) = run(stream, 9);
+        assert!(s.summary.error);
+        assert!(!s.summary.storable(true));
+        assert_eq!(s.summary.skip_reason(true), "error_event");
+        assert!(out.contains("engine died"), "errors reach the client");
+    }
+
+    #[test]
     fn not_storable_without_done_or_with_tool_calls() {
-        let mut s = StreamInspector::default();
+        let mut s = StreamRewriter::default();
         s.feed(b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n");
         assert!(!s.summary.storable(true));
         s.feed(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0}]}}]}\n\ndata: [DONE]\n\n");
         assert!(!s.summary.storable(true));
-        let mut r = StreamInspector::default();
+        let mut r = StreamRewriter::default();
         r.feed(b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"abort\"}]}\n\ndata: [DONE]\n\n");
         assert!(!r.summary.storable(true));
+    }
+
+    #[test]
+    fn body_without_params_keeps_numbers_exact() {
+        let body = br#"{"id":"x","choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop","logprobs":{"v":-0.10000000000000001}}],"kv_transfer_params":{"remote_engine_id":"d0"}}"#;
+        let (s, out) = rewrite_body(body);
+        let out = String::from_utf8(out.unwrap()).unwrap();
+        assert_eq!(
+            out,
+            r#"{"id":"x","choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop","logprobs":{"v":-0.10000000000000001}}]}"#
+        );
+        assert!(s.storable(false));
+        assert_eq!(s.text, "hi");
+        let (_, unchanged) = rewrite_body(b"{\"choices\":[]}");
+        assert!(unchanged.is_none(), "no params: forwarded as is");
     }
 }

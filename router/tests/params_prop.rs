@@ -73,7 +73,7 @@ proptest! {
         match KvParams::parse(&v) {
             Ok(p) => {
                 // A valid object survives compaction and expansion with its block ids.
-                let back = p.compact().expand(&p.engine_id, p.num_tokens.unwrap_or(0), "[::1]");
+                let back = p.compact().expand(&p.remote_engine_id, p.remote_num_tokens.unwrap_or(0), "[::1]");
                 prop_assert_eq!(&back["remote_block_ids"], &v["remote_block_ids"]);
             }
             Err(e) => prop_assert_eq!(e.field, field, "{}", e),

@@ -135,7 +135,7 @@ async fn prompt_shorter_than_remote_num_tokens_is_not_attached() {
     let c = Cluster::start(Opts::default()).await;
     let url = format!("{}/v1/completions", c.router.url());
     let t1: Vec<u32> = (0..100).collect();
-    let body = |prompt: &Vec<u32>| json!({"model": "m", "prompt": prompt, "max_tokens": 16, "conversation_id": "conv-s"});
+    let body = |prompt: &Vec<u32>| json!({"model": "sim-model", "prompt": prompt, "max_tokens": 16, "conversation_id": "conv-s"});
     let (st, _) = post(&c.http, &url, None, &body(&t1), false).await;
     assert_eq!(st, 200);
     // D holds 100 + 16 − 1 = 115 tokens. 110 tokens extend the prompt but are fewer.
@@ -159,17 +159,27 @@ async fn streaming_forwards_chunks_and_captures_params_from_final_chunk() {
     let (st, _) = c.chat(None, "conv-st", &m2, true, json!({})).await;
     assert_eq!(st, 200);
     assert_eq!(c.metric(PULLED).await, 1.0);
-    // Raw bytes pass through: the final params chunk and [DONE] reach the client.
+    // D's params never reach the client (issue 12 item 1): the params-only
+    // chunk is dropped, every chunk left has a choice or usage, [DONE] passes.
     let r = c
         .http
         .post(format!("{}/v1/chat/completions", c.router.url()))
-        .json(&json!({"model": "m", "messages": [user("x y")], "stream": true, "max_tokens": 3}))
+        .json(&json!({"model": "sim-model", "messages": [user("x y")], "stream": true, "max_tokens": 3}))
         .send()
         .await
         .unwrap();
     let text = r.text().await.unwrap();
     assert!(text.ends_with("data: [DONE]\n\n"));
-    assert!(text.contains("\"kv_transfer_params\""));
+    assert!(!text.contains("kv_transfer_params"), "{text}");
+    for d in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if d != "[DONE]" {
+            let v: Value = serde_json::from_str(d).unwrap();
+            assert!(
+                v["choices"].get(0).is_some() || !v["usage"].is_null(),
+                "{d}"
+            );
+        }
+    }
 }
 
 #[tokio::test]
@@ -556,7 +566,7 @@ async fn client_disconnect_mid_stream_is_not_stored() {
         ..Opts::default()
     })
     .await;
-    let body = |conv: &str| json!({"model": "m", "messages": [user("hello there")], "stream": true, "max_tokens": 20, "conversation_id": conv});
+    let body = |conv: &str| json!({"model": "sim-model", "messages": [user("hello there")], "stream": true, "max_tokens": 20, "conversation_id": conv});
     let url = format!("{}/v1/chat/completions", c.router.url());
     let mut r = c
         .http

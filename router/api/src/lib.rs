@@ -1,5 +1,8 @@
 //! Wire types of the router's admin API, shared by `kvloop-router` (server) and
-//! `kvloop-agent` (client).
+//! `kvloop-agent` (client), plus the protocol pieces every kvloop component
+//! that talks to engines needs: [`kv_params`] (typed `kv_transfer_params`,
+//! members kept bit-exact), [`json`] (raw JSON objects) and [`sse`] (the one
+//! server-sent-events parser).
 //!
 //! `PUT /admin/thresholds` with `Authorization: Bearer <token>` and a JSON body
 //! [`ThresholdUpdate`]. The router answers `204 No Content` on success, `401`
@@ -7,9 +10,17 @@
 //! malformed input.
 //!
 //! Deadlines travel as durations (`valid_for_ms`), never as absolute times:
-//! the agent's and the router's clocks are never compared (shared/DESIGN.md,
-//! "Memory and safety rules"). The router computes
+//! the agent's and the router's clocks are never compared. The router computes
 //! `valid_until = time of receipt + valid_for_ms` on its own monotonic clock.
+#![forbid(unsafe_code)]
+
+pub mod json;
+pub mod kv_params;
+pub mod sse;
+
+pub use kv_params::{BlockIds, KvTransferParams, ParamsError};
+pub use sse::{SseEvent, SseParser};
+
 use serde::{Deserialize, Serialize};
 
 /// Path of the threshold push endpoint.

@@ -1,6 +1,8 @@
 //! Test harness: engine-sims and a router in-process on loopback ports.
 #![allow(dead_code)]
 
+pub mod mock;
+
 use std::sync::Arc;
 
 use kvloop_engine_sim::{Role as SimRole, SimConfig, SimHandle, StatsSnapshot};

@@ -4,11 +4,13 @@ use serde_json::Value;
 
 /// Incremental SSE parser: feed body bytes as they arrive, get the `data:`
 /// payload of every complete event (multi-line data joined by `\n`).
-/// Comments (`:` lines) and other fields (`event:`, `id:`) are ignored.
+/// Comments (`:` lines), events without data and other fields (`event:`,
+/// `id:`) are ignored. A thin adapter over the one SSE parser of kvloop,
+/// [`kvloop_router_api::sse::SseParser`] (line ends CRLF, LF or CR, a BOM at
+/// the start ignored, per the SSE standard).
 #[derive(Debug, Default)]
 pub struct SseParser {
-    buf: Vec<u8>,
-    data: Vec<String>,
+    inner: kvloop_router_api::sse::SseParser,
 }
 
 impl SseParser {
@@ -19,41 +21,16 @@ impl SseParser {
 
     /// Feeds bytes; returns the data payloads of the events completed by them.
     pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut out = Vec::new();
-        while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
-            let mut line: Vec<u8> = self.buf.drain(..=nl).collect();
-            line.pop();
-            if line.last() == Some(&b'\r') {
-                line.pop();
-            }
-            if line.is_empty() {
-                if !self.data.is_empty() {
-                    out.push(self.data.join("\n"));
-                    self.data.clear();
-                }
-                continue;
-            }
-            let line = String::from_utf8_lossy(&line);
-            if let Some(rest) = line.strip_prefix("data:") {
-                self.data
-                    .push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
-            }
-        }
-        out
+        self.inner
+            .push(bytes)
+            .into_iter()
+            .filter_map(|e| e.data)
+            .collect()
     }
 
     /// Ends the stream: returns a last event not closed by a blank line.
     pub fn finish(&mut self) -> Option<String> {
-        let tail = std::mem::take(&mut self.buf);
-        if !tail.is_empty() {
-            let line = String::from_utf8_lossy(&tail);
-            if let Some(rest) = line.trim_end_matches('\r').strip_prefix("data:") {
-                self.data
-                    .push(rest.strip_prefix(' ').unwrap_or(rest).to_string());
-            }
-        }
-        (!self.data.is_empty()).then(|| std::mem::take(&mut self.data).join("\n"))
+        self.inner.finish().and_then(|e| e.data)
     }
 }
 
@@ -135,6 +112,12 @@ mod tests {
         let ev = p.push(b":1}\r\n\r\n: comment\n\ndata: [DONE]\n\n");
         assert_eq!(ev, vec!["{\"a\":1}".to_string(), "[DONE]".to_string()]);
         assert_eq!(p.finish(), None);
+        let mut p = SseParser::new();
+        assert_eq!(
+            p.push(b"data: {\"a\":\ndata: 1}\r\rdata: x"),
+            vec!["{\"a\":\n1}"]
+        );
+        assert_eq!(p.finish().as_deref(), Some("x"));
     }
 
     #[test]

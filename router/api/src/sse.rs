@@ -1,0 +1,189 @@
+//! Incremental parser of `text/event-stream` bodies (the HTML Living
+//! Standard's "Server-sent events" section, "Parsing an event stream"). Pure:
+//! bytes in, events out, no I/O.
+//!
+//! Used by the router (which inspects and forwards D's stream event by event)
+//! and by the load generator (which reads the answers).
+//!
+//! Per the standard: lines end with CRLF, LF or CR (a CR at the end of one
+//! push followed by LF at the start of the next is one line end); a blank
+//! line dispatches the event; a line starting with `:` is a comment; a line
+//! without `:` is a field with an empty value; one space after the colon is
+//! removed; the `data` lines of one event are joined with `\n`; a UTF-8 BOM
+//! at the start of the stream is ignored. Unlike a browser, every block is
+//! reported (also those without `data`), with its raw bytes, so a relay can
+//! forward the stream unchanged.
+
+/// One event block: the lines up to and including the blank line that ends it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SseEvent {
+    /// The bytes of the block exactly as received (line ends included).
+    pub raw: Vec<u8>,
+    /// The `data` lines joined by `\n`; `None` when the block had no `data`
+    /// field (comments, keep-alives: a browser dispatches nothing for them).
+    pub data: Option<String>,
+    /// The `event` field, when set.
+    pub event: Option<String>,
+}
+
+/// The parser: feed body bytes with [`SseParser::push`] as they arrive, call
+/// [`SseParser::finish`] at the end of the body.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    /// Bytes of the current, unfinished line.
+    line: Vec<u8>,
+    /// Raw bytes of the current block so far.
+    raw: Vec<u8>,
+    data: Option<String>,
+    event: Option<String>,
+    /// The previous byte was a CR ending a line: skip one LF.
+    skip_lf: bool,
+    /// Still at the very start of the stream (a BOM may follow).
+    at_start: bool,
+    started: bool,
+}
+
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+impl SseParser {
+    /// An empty parser.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feed bytes; returns the blocks completed by them, in order.
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        if !self.started {
+            self.started = true;
+            self.at_start = true;
+        }
+        for &b in bytes {
+            self.raw.push(b);
+            if self.skip_lf {
+                self.skip_lf = false;
+                if b == b'\n' {
+                    continue;
+                }
+            }
+            match b {
+                b'\r' => {
+                    self.skip_lf = true;
+                    self.end_line(&mut out);
+                }
+                b'\n' => self.end_line(&mut out),
+                _ => self.line.push(b),
+            }
+        }
+        out
+    }
+
+    /// End of the body: a last line without line end is processed, and a
+    /// block not closed by a blank line is returned (a browser would drop
+    /// it; a relay still has to forward its bytes).
+    pub fn finish(&mut self) -> Option<SseEvent> {
+        if !self.line.is_empty() {
+            let mut sink = Vec::new();
+            self.end_line(&mut sink);
+            debug_assert!(sink.is_empty(), "a non-empty line never dispatches");
+        }
+        if self.raw.is_empty() {
+            return None;
+        }
+        Some(self.take_event())
+    }
+
+    fn take_event(&mut self) -> SseEvent {
+        SseEvent {
+            raw: std::mem::take(&mut self.raw),
+            data: self.data.take(),
+            event: self.event.take(),
+        }
+    }
+
+    fn end_line(&mut self, out: &mut Vec<SseEvent>) {
+        let mut line = std::mem::take(&mut self.line);
+        if self.at_start {
+            self.at_start = false;
+            if line.starts_with(BOM) {
+                line.drain(..BOM.len());
+            }
+        }
+        if line.is_empty() {
+            out.push(self.take_event());
+            return;
+        }
+        if line[0] == b':' {
+            return; // comment
+        }
+        let (name, value) = match line.iter().position(|&c| c == b':') {
+            Some(i) => {
+                let v = &line[i + 1..];
+                (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (&line[..], &[][..]),
+        };
+        let value = String::from_utf8_lossy(value);
+        match name {
+            b"data" => match &mut self.data {
+                Some(d) => {
+                    d.push('\n');
+                    d.push_str(&value);
+                }
+                None => self.data = Some(value.into_owned()),
+            },
+            b"event" => self.event = Some(value.into_owned()),
+            _ => {} // id, retry and unknown fields: not needed here
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(chunks: &[&[u8]]) -> Vec<SseEvent> {
+        let mut p = SseParser::new();
+        let mut out = Vec::new();
+        for c in chunks {
+            out.extend(p.push(c));
+        }
+        out.extend(p.finish());
+        out
+    }
+
+    #[test]
+    fn multi_line_data_is_joined_with_newlines() {
+        let ev = all(&[b"data: {\"a\":\ndata: 1}\n\n"]);
+        assert_eq!(ev.len(), 1);
+        assert_eq!(ev[0].data.as_deref(), Some("{\"a\":\n1}"));
+        assert_eq!(ev[0].raw, b"data: {\"a\":\ndata: 1}\n\n");
+    }
+
+    #[test]
+    fn every_line_end_kind_and_splits_between_cr_and_lf() {
+        let stream: &[u8] =
+            b"data: a\r\n\r\ndata: b\r\rdata:c\n\n: keep-alive\n\nevent: x\ndata\n\n";
+        for split in 1..stream.len() {
+            let chunks: Vec<&[u8]> = stream.chunks(split).collect();
+            let ev = all(&chunks);
+            let data: Vec<Option<&str>> = ev.iter().map(|e| e.data.as_deref()).collect();
+            assert_eq!(
+                data,
+                vec![Some("a"), Some("b"), Some("c"), None, Some("")],
+                "split {split}"
+            );
+            assert_eq!(ev[4].event.as_deref(), Some("x"));
+            let raw: Vec<u8> = ev.iter().flat_map(|e| e.raw.clone()).collect();
+            assert_eq!(raw, stream, "raw bytes are kept exactly (split {split})");
+        }
+    }
+
+    #[test]
+    fn bom_space_and_unterminated_tail() {
+        let ev = all(&[b"\xEF\xBB\xBFdata:  two spaces\n\ndata: tail"]);
+        assert_eq!(ev[0].data.as_deref(), Some(" two spaces"));
+        assert_eq!(ev[1].data.as_deref(), Some("tail"));
+        assert_eq!(ev[1].raw, b"data: tail");
+    }
+}

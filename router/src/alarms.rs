@@ -1,0 +1,185 @@
+//! Loops the router closes on what engines report. Pure: no I/O, time passed in.
+//!
+//! - [`PullTracker`]: the outcome of every pull the router asked for (P's
+//!   answer says how many prompt tokens it did not compute), per (P, D)
+//!   pair. A pair whose pulls keep failing raises an alarm.
+//! - [`MissingParams`]: decode answers that should have carried
+//!   `kv_transfer_params` and did not (stock vLLM <= 0.32 streams them
+//!   without), with a rate-limited warning.
+use std::collections::HashMap;
+
+/// Consecutive failed pulls of one pair that raise its alarm.
+pub const PULL_ALARM_AFTER: u32 = 3;
+
+/// The likely cause named when decode answers lack `kv_transfer_params`.
+pub const MISSING_PARAMS_HINT: &str = "vLLM <= 0.32 streaming answers carry no kv_transfer_params (vLLM PR #40186); install the kvloop-vllm plugin";
+
+/// At most one missing-params warning per this many ms.
+pub const WARN_EVERY_MS: u64 = 60_000;
+
+/// What became of one pull.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PullOutcome {
+    /// P reports at least half of the attached reusable tokens as not
+    /// computed (vLLM counts whole blocks only, so a little less than all).
+    Read,
+    /// P answered but reports (almost) nothing reused: it declined the READ
+    /// or the READ failed, and it recomputed.
+    Declined,
+    /// The prefill request with D's params failed.
+    Failed,
+    /// P does not report reuse (no `cached_tokens`, no `kvloop_sim`).
+    Unreported,
+}
+
+impl PullOutcome {
+    /// Metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullOutcome::Read => "read",
+            PullOutcome::Declined => "declined",
+            PullOutcome::Failed => "failed",
+            PullOutcome::Unreported => "unreported",
+        }
+    }
+
+    /// Classify P's report for a pull of `attached` tokens.
+    pub fn classify(attached: u64, reported: Option<u64>) -> Self {
+        match reported {
+            None => PullOutcome::Unreported,
+            Some(r) if attached > 0 && r.saturating_mul(2) >= attached => PullOutcome::Read,
+            Some(_) => PullOutcome::Declined,
+        }
+    }
+}
+
+/// A change of a pair's alarm, for the caller to log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlarmChange {
+    /// The pair's pulls keep failing (consecutive failures so far).
+    Raised(u32),
+    /// A pull of the pair succeeded again.
+    Cleared,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct PairState {
+    consecutive_failures: u32,
+    alarm: bool,
+}
+
+/// Pull outcomes per (prefill index, decode index).
+#[derive(Debug, Default)]
+pub struct PullTracker {
+    pairs: HashMap<(u16, u16), PairState>,
+}
+
+impl PullTracker {
+    /// Record one outcome; returns the pair's alarm change, if any.
+    /// `Unreported` changes nothing (nothing is known).
+    pub fn record(&mut self, p: u16, d: u16, outcome: PullOutcome) -> Option<AlarmChange> {
+        let st = self.pairs.entry((p, d)).or_default();
+        match outcome {
+            PullOutcome::Unreported => None,
+            PullOutcome::Read => {
+                st.consecutive_failures = 0;
+                std::mem::take(&mut st.alarm).then_some(AlarmChange::Cleared)
+            }
+            PullOutcome::Declined | PullOutcome::Failed => {
+                st.consecutive_failures += 1;
+                if !st.alarm && st.consecutive_failures >= PULL_ALARM_AFTER {
+                    st.alarm = true;
+                    return Some(AlarmChange::Raised(st.consecutive_failures));
+                }
+                None
+            }
+        }
+    }
+
+    /// Pairs in alarm with their consecutive failures, sorted.
+    pub fn alarms(&self) -> Vec<((u16, u16), u32)> {
+        let mut v: Vec<_> = self
+            .pairs
+            .iter()
+            .filter(|(_, s)| s.alarm)
+            .map(|(k, s)| (*k, s.consecutive_failures))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+/// Decode answers that should have carried `kv_transfer_params`.
+#[derive(Debug, Default)]
+pub struct MissingParams {
+    /// Answers without params since the last one with them.
+    pub streak: u64,
+    /// Total answers without params.
+    pub total: u64,
+    last_warn_ms: Option<u64>,
+}
+
+impl MissingParams {
+    /// A storable decode answer without params at `now_ms`; true when a
+    /// warning is due (at most one per [`WARN_EVERY_MS`]).
+    pub fn missing(&mut self, now_ms: u64) -> bool {
+        self.streak += 1;
+        self.total += 1;
+        let due = self
+            .last_warn_ms
+            .is_none_or(|t| now_ms.saturating_sub(t) >= WARN_EVERY_MS);
+        if due {
+            self.last_warn_ms = Some(now_ms);
+        }
+        due
+    }
+
+    /// A decode answer that carried params.
+    pub fn present(&mut self) {
+        self.streak = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_reports() {
+        assert_eq!(PullOutcome::classify(109, Some(109)), PullOutcome::Read);
+        assert_eq!(PullOutcome::classify(109, Some(96)), PullOutcome::Read);
+        assert_eq!(PullOutcome::classify(109, Some(0)), PullOutcome::Declined);
+        assert_eq!(PullOutcome::classify(109, None), PullOutcome::Unreported);
+    }
+
+    #[test]
+    fn alarm_after_consecutive_failures_and_cleared_by_a_read() {
+        let mut t = PullTracker::default();
+        assert_eq!(t.record(0, 1, PullOutcome::Declined), None);
+        assert_eq!(t.record(0, 1, PullOutcome::Failed), None);
+        assert_eq!(t.record(0, 2, PullOutcome::Read), None);
+        assert_eq!(
+            t.record(0, 1, PullOutcome::Declined),
+            Some(AlarmChange::Raised(3))
+        );
+        assert_eq!(t.record(0, 1, PullOutcome::Declined), None);
+        assert_eq!(t.alarms(), vec![((0, 1), 4)]);
+        assert_eq!(t.record(0, 1, PullOutcome::Unreported), None);
+        assert_eq!(
+            t.record(0, 1, PullOutcome::Read),
+            Some(AlarmChange::Cleared)
+        );
+        assert!(t.alarms().is_empty());
+    }
+
+    #[test]
+    fn missing_params_warns_rate_limited() {
+        let mut m = MissingParams::default();
+        assert!(m.missing(0));
+        assert!(!m.missing(1_000));
+        assert!(m.missing(WARN_EVERY_MS));
+        assert_eq!((m.streak, m.total), (3, 3));
+        m.present();
+        assert_eq!(m.streak, 0);
+    }
+}

@@ -1,0 +1,109 @@
+//! The prefill step of a turn: the retry-once rule and P's params for D.
+use std::time::Duration;
+
+use kvloop_router_api::json::to_raw;
+use serde_json::value::RawValue;
+use tracing::warn;
+
+use crate::alarms::PullOutcome;
+use crate::decision::Decision;
+use crate::error::RouteError;
+use crate::params::{KvParams, no_reuse_prefill_params};
+use crate::request::{ParsedRequest, prefill_body};
+use crate::server::AppState;
+use crate::upstream::{Failure, PrefillReply, Stage, UpstreamError};
+
+/// The prefill step with the retry-once rule: when D's params were attached
+/// and the failure is retry-safe, once more without them, on the next
+/// healthy prefill engine when there is another one. Returns P's index and
+/// answer; records the pull's outcome.
+pub(crate) async fn prefill(
+    s: &AppState,
+    req: &ParsedRequest,
+    mut p_idx: u16,
+    decision: &Decision,
+    n_prompt: Option<usize>,
+    request_id: &str,
+) -> Result<(u16, PrefillReply), UpstreamError> {
+    let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
+    let no_reuse = || to_raw(&no_reuse_prefill_params());
+    let holder = decision
+        .decode_engine_id
+        .as_deref()
+        .and_then(|d| s.registry.index_of(d));
+    let send = |p_idx: u16, params: Box<RawValue>, reused: u64| {
+        let p = s.registry.get(p_idx).expect("index");
+        s.upstream.prefill(
+            &p.engine_id,
+            &p.http_url,
+            req.api,
+            request_id,
+            prefill_body(&req.body, &params),
+            n_prompt.map(|n| (n, reused)),
+            timeout,
+        )
+    };
+    let Some(attach) = decision.attach.clone() else {
+        return send(p_idx, no_reuse(), 0).await.map(|r| (p_idx, r));
+    };
+    let holder = holder.expect("attached params name a registered D");
+    match send(p_idx, attach, decision.reused_tokens).await {
+        Ok(r) => {
+            let outcome = PullOutcome::classify(decision.reused_tokens, r.reported_reused);
+            s.record_pull(p_idx, holder, outcome);
+            Ok((p_idx, r))
+        }
+        Err(e) => {
+            s.record_pull(p_idx, holder, PullOutcome::Failed);
+            if !e.retry_safe() {
+                warn!(%request_id, error = %e, "prefill with D's params refused; not retried");
+                return Err(e);
+            }
+            warn!(%request_id, error = %e, "prefill failed with D's params attached; retrying once without them");
+            s.metrics.prefill_retries.inc();
+            if let Some(next) = s.pick(&s.prefill_idx, &s.rr_prefill) {
+                p_idx = next;
+            }
+            send(p_idx, no_reuse(), 0).await.map(|r| (p_idx, r))
+        }
+    }
+}
+
+/// P's params for D, with `remote_host` from the registry.
+pub(crate) fn params_for_decode(
+    s: &AppState,
+    p_idx: u16,
+    reply: PrefillReply,
+) -> Result<Box<RawValue>, RouteError> {
+    let p = s.registry.get(p_idx).expect("index");
+    let body_err = |detail: String| {
+        s.metrics.reject_params("source_prefill");
+        RouteError::Upstream(UpstreamError::new(
+            Stage::Prefill,
+            &p.engine_id,
+            Failure::Body,
+            detail,
+        ))
+    };
+    let raw = reply.params.ok_or_else(|| {
+        body_err("kv_transfer_params: missing in its response (is it a kv_producer?)".into())
+    })?;
+    let params = KvParams::parse_json(raw.get()).map_err(|e| body_err(e.to_string()))?;
+    let Some(emitter) = s
+        .registry
+        .index_of(&params.remote_engine_id)
+        .and_then(|i| s.registry.get(i))
+    else {
+        s.metrics.reject_params("unknown_engine");
+        return Err(RouteError::Upstream(UpstreamError::new(
+            Stage::Prefill,
+            &p.engine_id,
+            Failure::Body,
+            format!(
+                "kv_transfer_params.remote_engine_id: engine {:?} is not in the registry",
+                params.remote_engine_id
+            ),
+        )));
+    };
+    Ok(params.to_request_json(&emitter.side_channel_host, false, true))
+}

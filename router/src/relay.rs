@@ -1,0 +1,273 @@
+//! D's answer to the client, and the turn stored from it.
+//!
+//! [`Relay`] forwards D's stream event by event through the
+//! [`StreamRewriter`] (D's `kv_transfer_params` removed); at the end of the
+//! stream it stores the turn ([`StoreCtx::finish`]) before the client sees
+//! the end of the body. A stream D broke, or a client that went away, stores
+//! nothing.
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use futures_util::Stream;
+use tracing::{debug, warn};
+
+use crate::config::PrefixCheckMode;
+use crate::fingerprint::{Fingerprint, HistoryHasher};
+use crate::metrics::{EngineLabel, ReasonLabel};
+use crate::params::KvParams;
+use crate::request::{Api, tokenize_text_body};
+use crate::server::AppState;
+use crate::sse::{ReplySummary, StreamRewriter};
+use crate::store::{ConvKey, StoredTurn};
+
+/// What a finished turn needs to be stored.
+pub struct StoreCtx {
+    /// The router.
+    pub state: Arc<AppState>,
+    /// The conversation.
+    pub key: ConvKey,
+    /// Registry index of the D that answered.
+    pub decode_engine: u16,
+    /// Registry index of the P whose `/tokenize` counted the prompt.
+    pub prefill_engine: u16,
+    /// The prompt's token ids (count, hash), when known.
+    pub tokens: Option<(u32, u64)>,
+    /// The prompt's history hasher (the answer is added on finish).
+    pub history: Option<HistoryHasher>,
+    /// Endpoint.
+    pub api: Api,
+    /// `model` of the request.
+    pub model: Option<String>,
+    /// Why the request alone makes D hold tokens the client cannot see.
+    pub hidden_output: Option<&'static str>,
+    /// Stop strings are excluded from the text.
+    pub stop_str_hidden: bool,
+}
+
+impl StoreCtx {
+    fn skip(&self, reason: &'static str) {
+        self.state
+            .metrics
+            .store_skipped
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// Store D's params for the conversation's next turn, when the answer
+    /// allows it: finished with `stop`/`length`, (streams) completed with
+    /// `[DONE]`, no error event, nothing D holds that the history the client
+    /// sends back lacks, params from the D that answered.
+    pub async fn finish(self, summary: ReplySummary, streamed: bool) {
+        let s = self.state.clone();
+        if !summary.storable(streamed) {
+            self.skip(summary.skip_reason(streamed));
+            return;
+        }
+        if let Some(reason) = self.hidden_output {
+            self.skip(reason);
+            return;
+        }
+        if self.stop_str_hidden && summary.stopped_on_string {
+            self.skip("hidden_stop_string");
+            return;
+        }
+        let Some(raw) = &summary.kv_transfer_params else {
+            self.skip("no_params");
+            s.params_missing(self.decode_engine, streamed);
+            return;
+        };
+        s.params_present();
+        let params = match KvParams::parse_json(raw.get()) {
+            Ok(p) => p,
+            Err(e) => {
+                warn!(error = %e, "decode engine returned malformed kv_transfer_params; not stored");
+                s.metrics.reject_params("source_decode");
+                return;
+            }
+        };
+        let Some(idx) = s.registry.index_of(&params.remote_engine_id) else {
+            warn!(engine = %params.remote_engine_id, "kv_transfer_params from an unregistered engine; not stored");
+            s.metrics.reject_params("unknown_engine");
+            return;
+        };
+        if idx != self.decode_engine {
+            warn!(engine = %params.remote_engine_id, "kv_transfer_params name another engine than the decode engine that answered; not stored");
+            s.metrics.reject_params("source_decode");
+            return;
+        }
+        let Some(held) = params.remote_num_tokens.and_then(|n| u32::try_from(n).ok()) else {
+            self.skip("no_remote_num_tokens");
+            return;
+        };
+        if let Some((n_prompt, _)) = self.tokens
+            && s.prefix_check_in_force() == PrefixCheckMode::Tokens
+        {
+            // D holds prompt + generated − 1 tokens; the client can only send
+            // back the prompt and the visible reply.
+            let body = tokenize_text_body(self.model.as_deref(), &summary.text);
+            // Bounded: the client's stream ends only after this check.
+            let timeout = Duration::from_millis(s.cfg.health_timeout_ms.max(1_000));
+            match s.tokenize_on(self.prefill_engine, &body, timeout).await {
+                Some(visible) if u64::from(held) <= u64::from(n_prompt) + visible.len() as u64 => {}
+                Some(visible) => {
+                    debug!(
+                        held,
+                        n_prompt,
+                        visible = visible.len(),
+                        "D holds more tokens than the visible history; not stored"
+                    );
+                    self.skip("hidden_tokens");
+                    return;
+                }
+                None => {
+                    self.skip("unverifiable_tokens");
+                    return;
+                }
+            }
+        }
+        let mut fp = Fingerprint::default();
+        if let Some((n, h)) = self.tokens {
+            fp.tokens_len = n;
+            fp.tokens_hash = h;
+        }
+        if let Some(mut hist) = self.history {
+            match self.api {
+                Api::Chat => hist.assistant(&summary.text),
+                Api::Completions => hist.text(&summary.text),
+            }
+            (fp.history_len, fp.history_hash) = hist.finish();
+        }
+        s.store_turn(
+            self.key,
+            StoredTurn {
+                params: params.compact(),
+                decode_engine: idx,
+                remote_num_tokens: held,
+                fingerprint: fp,
+                expires_at_ms: 0,
+            },
+        );
+    }
+}
+
+impl AppState {
+    /// A storable decode answer without params: counted, warned about
+    /// (rate-limited), reported in `/health`.
+    fn params_missing(&self, decode_engine: u16, streamed: bool) {
+        let engine_id = self
+            .registry
+            .get(decode_engine)
+            .map(|e| e.engine_id.clone())
+            .unwrap_or_default();
+        self.metrics
+            .decode_params_missing
+            .get_or_create(&EngineLabel {
+                engine_id: engine_id.clone(),
+            })
+            .inc();
+        let now = self.now_ms();
+        if self.missing_params.lock().missing(now) {
+            warn!(decode = %engine_id, streamed, "decode answer carried no kv_transfer_params: this conversation will not reuse KV. Likely cause: {}", crate::alarms::MISSING_PARAMS_HINT);
+        }
+    }
+
+    fn params_present(&self) {
+        self.missing_params.lock().present();
+    }
+}
+
+/// Forwards D's SSE stream without its `kv_transfer_params`.
+pub struct Relay {
+    /// D's body.
+    pub inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    /// The rewriter.
+    pub rewriter: StreamRewriter,
+    /// Set when the turn may be stored.
+    pub ctx: Option<StoreCtx>,
+    /// Request arrival (TTFT).
+    pub t0: Instant,
+    /// The router.
+    pub state: Arc<AppState>,
+    first: bool,
+    ended: bool,
+    finishing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl Relay {
+    /// A relay of D's `body`.
+    pub fn new(
+        body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+        ctx: Option<StoreCtx>,
+        t0: Instant,
+        state: Arc<AppState>,
+    ) -> Self {
+        Self {
+            inner: body,
+            rewriter: StreamRewriter::default(),
+            ctx,
+            t0,
+            state,
+            first: true,
+            ended: false,
+            finishing: None,
+        }
+    }
+}
+
+impl Stream for Relay {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if let Some(f) = this.finishing.as_mut() {
+                return match f.as_mut().poll(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(()) => {
+                        this.finishing = None;
+                        Poll::Ready(None)
+                    }
+                };
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            match this.inner.as_mut().poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(b))) => {
+                    if this.first {
+                        this.first = false;
+                        this.state
+                            .metrics
+                            .ttft_seconds
+                            .observe(this.t0.elapsed().as_secs_f64());
+                    }
+                    let out = this.rewriter.feed(&b);
+                    if !out.is_empty() {
+                        return Poll::Ready(Some(Ok(Bytes::from(out))));
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.ctx = None; // broken stream: never stored
+                    this.ended = true;
+                    return Poll::Ready(Some(Err(std::io::Error::other(e))));
+                }
+                Poll::Ready(None) => {
+                    this.ended = true;
+                    let tail = this.rewriter.finish();
+                    if let Some(ctx) = this.ctx.take() {
+                        let summary = this.rewriter.summary.clone();
+                        this.finishing = Some(Box::pin(ctx.finish(summary, true)));
+                    }
+                    if !tail.is_empty() {
+                        return Poll::Ready(Some(Ok(Bytes::from(tail))));
+                    }
+                }
+            }
+        }
+    }
+}

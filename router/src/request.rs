@@ -1,0 +1,330 @@
+//! Client request parsing and the prefill/decode body rewrites. Pure: no I/O.
+use axum::http::HeaderMap;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::fingerprint::History;
+use crate::params::KvParams;
+
+/// The two OpenAI endpoints the router serves.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Api {
+    /// The endpoint's path (same on the engines).
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+        }
+    }
+    /// Metric label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::Chat => "chat_completions",
+        }
+    }
+}
+
+/// A client request the router can route.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    /// Endpoint.
+    pub api: Api,
+    /// The client's body, without `conversation_id` (and without a null
+    /// `kv_transfer_params`).
+    pub body: Map<String, Value>,
+    /// `conversation_id` (body) or `x-session-id` (header).
+    pub conversation_id: Option<String>,
+    /// Tenant (the configured tenant header, else the default tenant).
+    pub tenant: String,
+    /// `stream: true`.
+    pub stream: bool,
+    /// `x-request-id`, when the client sent one.
+    pub request_id: Option<String>,
+    /// `model`, when a string.
+    pub model: Option<String>,
+    /// A token-id prompt (completions), when given.
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// Why D's sequence may hold tokens the client never sees, from the
+    /// request alone (a `store_skipped` reason): `include_reasoning: false`
+    /// hides reasoning tokens D generated.
+    pub hidden_output: Option<&'static str>,
+    /// Stop strings were requested without `include_stop_str_in_output`:
+    /// a stop on one of them leaves its tokens in D's blocks but not in the
+    /// text.
+    pub stop_str_hidden: bool,
+}
+
+impl ParsedRequest {
+    /// The comparable history of the prompt.
+    pub fn history(&self) -> History<'_> {
+        match (self.api, self.body.get("prompt"), self.body.get("messages")) {
+            (Api::Chat, _, Some(Value::Array(m))) => History::Chat(m),
+            (Api::Completions, Some(Value::String(t)), _) => History::Text(t),
+            _ => History::None,
+        }
+    }
+}
+
+/// A request the router refuses (HTTP 400), with a message naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRequest(pub String);
+
+fn bad(msg: impl Into<String>) -> BadRequest {
+    BadRequest(msg.into())
+}
+
+/// Parse a client request.
+///
+/// # Errors
+/// [`BadRequest`]: not a JSON object, client-supplied `kv_transfer_params`,
+/// missing `prompt`/`messages`, a non-string `conversation_id`.
+pub fn parse_request(
+    api: Api,
+    headers: &HeaderMap,
+    raw: &[u8],
+    tenant_header: &str,
+    default_tenant: &str,
+) -> Result<ParsedRequest, BadRequest> {
+    let mut body: Map<String, Value> = match serde_json::from_slice::<Value>(raw) {
+        Ok(Value::Object(m)) => m,
+        Ok(_) => return Err(bad("body: expected a JSON object")),
+        Err(e) => return Err(bad(format!("body: invalid JSON: {e}"))),
+    };
+    if let Some(p) = body.get("kv_transfer_params") {
+        if p.is_null() {
+            body.remove("kv_transfer_params");
+        } else {
+            KvParams::parse(p).map_err(|e| bad(e.to_string()))?;
+            return Err(bad(
+                "kv_transfer_params: set by the router from its conversation store; clients may not supply it",
+            ));
+        }
+    }
+    match api {
+        Api::Completions if !body.contains_key("prompt") => return Err(bad("prompt: required")),
+        Api::Chat if !body.get("messages").is_some_and(Value::is_array) => {
+            return Err(bad("messages: expected an array of messages"));
+        }
+        _ => {}
+    }
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let conversation_id = match body.remove("conversation_id") {
+        Some(Value::String(c)) => Some(c),
+        Some(Value::Null) | None => header("x-session-id"),
+        Some(_) => return Err(bad("conversation_id: expected a string")),
+    };
+    let prompt_token_ids = match (api, body.get("prompt")) {
+        (Api::Completions, Some(Value::Array(a))) if a.iter().all(Value::is_u64) => a
+            .iter()
+            .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect(),
+        _ => None,
+    };
+    let hidden_output =
+        (body.get("include_reasoning") == Some(&Value::Bool(false))).then_some("hidden_reasoning");
+    let has_stop_strings = match body.get("stop") {
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        _ => false,
+    };
+    let stop_str_hidden =
+        has_stop_strings && body.get("include_stop_str_in_output") != Some(&Value::Bool(true));
+    Ok(ParsedRequest {
+        api,
+        stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        model: body
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        body,
+        conversation_id,
+        tenant: header(tenant_header).unwrap_or_else(|| default_tenant.to_string()),
+        request_id: header("x-request-id"),
+        prompt_token_ids,
+        hidden_output,
+        stop_str_hidden,
+    })
+}
+
+/// `body` as JSON with `kv_transfer_params` set to `params`, spliced in as
+/// its exact text (a `serde_json::Value` would re-spell D's numbers).
+pub fn with_params(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
+    let mut b = body.clone();
+    b.remove("kv_transfer_params");
+    let rest = serde_json::to_vec(&Value::Object(b)).expect("serializable");
+    let mut out = Vec::with_capacity(rest.len() + params.get().len() + 24);
+    out.extend_from_slice(b"{\"kv_transfer_params\":");
+    out.extend_from_slice(params.get().as_bytes());
+    if rest.len() > 2 {
+        out.push(b',');
+    }
+    out.extend_from_slice(&rest[1..]);
+    out
+}
+
+/// The prefill request: the client's body as a one-token, non-streaming
+/// generation (`max_tokens: 1`, `max_completion_tokens: 1` when set,
+/// without `stream_options`, `min_tokens`, `min_completion_tokens`), with
+/// `params` (D's on reuse, else the no-reuse shape).
+pub fn prefill_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
+    let mut p = body.clone();
+    p.insert("stream".into(), Value::Bool(false));
+    p.insert("max_tokens".into(), Value::from(1));
+    if p.contains_key("max_completion_tokens") {
+        p.insert("max_completion_tokens".into(), Value::from(1));
+    }
+    for k in ["stream_options", "min_tokens", "min_completion_tokens"] {
+        p.remove(k);
+    }
+    with_params(&p, params)
+}
+
+/// The decode request: the client's body with P's params.
+pub fn decode_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
+    with_params(body, params)
+}
+
+/// The `/tokenize` request for a prompt: `model` plus `prompt` (completions)
+/// or the chat fields that shape the templated prompt. `None` when a
+/// completions body has no prompt.
+pub fn tokenize_body(api: Api, body: &Map<String, Value>) -> Option<Value> {
+    let mut req = Map::new();
+    if let Some(m) = body.get("model") {
+        req.insert("model".into(), m.clone());
+    }
+    match api {
+        Api::Completions => {
+            req.insert("prompt".into(), body.get("prompt")?.clone());
+        }
+        Api::Chat => {
+            for k in [
+                "messages",
+                "tools",
+                "chat_template",
+                "chat_template_kwargs",
+                "add_generation_prompt",
+                "continue_final_message",
+            ] {
+                if let Some(v) = body.get(k) {
+                    req.insert(k.into(), v.clone());
+                }
+            }
+        }
+    }
+    Some(Value::Object(req))
+}
+
+/// The `/tokenize` request counting the tokens of a reply's visible text
+/// (`add_special_tokens: false`).
+pub fn tokenize_text_body(model: Option<&str>, text: &str) -> Value {
+    let mut req = Map::new();
+    if let Some(m) = model {
+        req.insert("model".into(), Value::from(m));
+    }
+    req.insert("prompt".into(), Value::from(text));
+    req.insert("add_special_tokens".into(), Value::Bool(false));
+    Value::Object(req)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(api: Api, v: Value) -> Result<ParsedRequest, BadRequest> {
+        parse_request(
+            api,
+            &HeaderMap::new(),
+            v.to_string().as_bytes(),
+            "x-tenant-id",
+            "default",
+        )
+    }
+
+    #[test]
+    fn parses_and_refuses_naming_the_field() {
+        let r = parse(
+            Api::Chat,
+            json!({"messages": [], "conversation_id": "c", "stream": true}),
+        )
+        .unwrap();
+        assert_eq!(r.conversation_id.as_deref(), Some("c"));
+        assert!(r.stream && !r.body.contains_key("conversation_id"));
+        assert_eq!(r.tenant, "default");
+        for (api, v, field) in [
+            (Api::Completions, json!({"x": 1}), "prompt"),
+            (Api::Chat, json!({"messages": 1}), "messages"),
+            (
+                Api::Completions,
+                json!({"prompt": "", "conversation_id": 3}),
+                "conversation_id",
+            ),
+            (
+                Api::Completions,
+                json!({"prompt": "", "kv_transfer_params": {"remote_engine_id": 5}}),
+                "kv_transfer_params.remote_engine_id",
+            ),
+        ] {
+            let e = parse(api, v).unwrap_err();
+            assert!(e.0.contains(field), "{e}");
+        }
+        let t = parse(Api::Completions, json!({"prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(t.prompt_token_ids, Some(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn hidden_output_kinds() {
+        let r = parse(
+            Api::Chat,
+            json!({"messages": [], "include_reasoning": false}),
+        )
+        .unwrap();
+        assert_eq!(r.hidden_output, Some("hidden_reasoning"));
+        let r = parse(Api::Chat, json!({"messages": [], "stop": ["END"]})).unwrap();
+        assert!(r.stop_str_hidden && r.hidden_output.is_none());
+        let r = parse(
+            Api::Chat,
+            json!({"messages": [], "stop": "END", "include_stop_str_in_output": true}),
+        )
+        .unwrap();
+        assert!(!r.stop_str_hidden);
+    }
+
+    #[test]
+    fn prefill_and_decode_bodies_carry_params_exactly() {
+        let body = json!({"model": "m", "prompt": "x", "stream": true, "max_tokens": 9,
+                          "stream_options": {"include_usage": true}, "min_tokens": 2})
+        .as_object()
+        .unwrap()
+        .clone();
+        let params = RawValue::from_string(r#"{"t":1214.2449693849999}"#.into()).unwrap();
+        let p = String::from_utf8(prefill_body(&body, &params)).unwrap();
+        assert!(
+            p.starts_with(r#"{"kv_transfer_params":{"t":1214.2449693849999},"#),
+            "{p}"
+        );
+        let v: Value = serde_json::from_str(&p).unwrap();
+        assert_eq!(v["max_tokens"], 1);
+        assert_eq!(v["stream"], false);
+        assert!(v.get("stream_options").is_none() && v.get("min_tokens").is_none());
+        let d: Value = serde_json::from_slice(&decode_body(&body, &params)).unwrap();
+        assert_eq!(d["max_tokens"], 9);
+        assert_eq!(d["stream"], true);
+        let empty = with_params(&Map::new(), &params);
+        assert_eq!(empty, br#"{"kv_transfer_params":{"t":1214.2449693849999}}"#);
+    }
+}
