@@ -224,16 +224,27 @@ class Cluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     model_dir: pathlib.Path | None = None
     trace_path: pathlib.Path | None = None
-    core_pids: dict[str, int] = field(default_factory=dict)
-    nixl_lib: str | None = None
+    core_pids: dict[str, list[int]] = field(default_factory=dict)
+    nixl_libs: list[str] = field(default_factory=list)
     startup_s: float = 0.0
 
     # ---- processes -------------------------------------------------------
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, ns: str | None = None) -> Proc:
-        logp = self.work / f"{name}.log"
+    def spawn(self, name: str, argv: list[str], env: dict[str, str | None] | None = None,
+              ns: str | None = None) -> Proc:
+        """Starts `argv` (in namespace `ns`) with `env` over this process's
+        environment (None removes a variable); output to `<work>/<name>.log`
+        (`<name>.2.log`, ... for a restart)."""
+        logp, k = self.work / f"{name}.log", 1
+        while logp.exists():  # a restarted process gets a log of its own
+            k += 1
+            logp = self.work / f"{name}.{k}.log"
         full = (["ip", "netns", "exec", ns] if ns else []) + argv
         e = dict(os.environ)
-        e.update(env or {})
+        for k, v in (env or {}).items():
+            if v is None:
+                e.pop(k, None)
+            else:
+                e[k] = v
         f = open(logp, "ab")
         p = subprocess.Popen(full, stdout=f, stderr=subprocess.STDOUT, env=e, start_new_session=True,
                              cwd=str(self.work))
@@ -242,7 +253,7 @@ class Cluster:
         log(f"started {name} pid {p.pid}")
         return proc
 
-    def vllm_env(self, kv_host: str, side_port: int, cpu: str) -> dict[str, str]:
+    def vllm_env(self, kv_host: str, side_port: int, cpu: str) -> dict[str, str | None]:
         env = {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
@@ -252,9 +263,10 @@ class Cluster:
             "VLLM_CPU_OMP_THREADS_BIND": cpu,
             "PYTHONUNBUFFERED": "1",
             # kvloop's own NIXL runtime (cu12, from scripts/bootstrap.sh) must
-            # not shadow the one vLLM's nixl wheel loads.
-            "LD_LIBRARY_PATH": "",
-            "NIXL_PLUGIN_DIR": "",
+            # not shadow the one vLLM's nixl wheel loads (an empty
+            # NIXL_PLUGIN_DIR is not "unset": NIXL then finds no plugin).
+            "LD_LIBRARY_PATH": None,
+            "NIXL_PLUGIN_DIR": None,
         }
         return env
 
@@ -409,23 +421,27 @@ regions_per_block = 2
         self.find_engine_cores()
 
     def find_engine_cores(self) -> None:
-        """PIDs of the processes that map libnixl (vLLM's engine core) under
-        each engine, and the libnixl.so they map."""
+        """PIDs of the processes under each engine that map libnixl.so (the API
+        server, the engine core and the worker that posts the transfers), and
+        the libnixl.so files they map."""
+        libs: set[str] = set()
         for name in ("vllm-p", "vllm-d"):
             root = self.procs[name].pid
+            pids = []
             for pid in [root] + descendants(root):
                 try:
                     maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
                 except OSError:
                     continue
-                m = re.search(r"(/\S*/libnixl\.so)\s*$", maps, re.M)
-                if m:
-                    self.core_pids[name] = pid
-                    self.nixl_lib = m.group(1)
-                    break
-            else:
+                found = set(re.findall(r"(/\S*/libnixl\.so)\s*$", maps, re.M))
+                if found:
+                    pids.append(pid)
+                    libs |= found
+            if not pids:
                 raise RuntimeError(f"{name}: no process maps libnixl.so (is NixlConnector on?)")
-        log(f"engine cores {self.core_pids}, libnixl {self.nixl_lib}")
+            self.core_pids[name] = pids
+        self.nixl_libs = sorted(libs)
+        log(f"processes mapping libnixl {self.core_pids}, libraries {self.nixl_libs}")
 
     def start_trace(self) -> None:
         """`kvloop trace` with uprobes on the engines' own libnixl.so (observe
@@ -433,7 +449,9 @@ regions_per_block = 2
         if "trace" in self.procs and self.procs["trace"].alive():
             return
         self.trace_path = self.work / "trace.log"
-        proc = self.spawn("trace", [str(BIN / "kvloop"), "trace", "--nixl-lib", str(self.nixl_lib),
+        if len(self.nixl_libs) != 1:
+            raise RuntimeError(f"the engines map {len(self.nixl_libs)} libnixl.so files: {self.nixl_libs}")
+        proc = self.spawn("trace", [str(BIN / "kvloop"), "trace", "--nixl-lib", self.nixl_libs[0],
                                     "--seconds", "3600"], {"RUST_LOG": "warn"})
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -444,12 +462,14 @@ regions_per_block = 2
             time.sleep(0.5)
         raise RuntimeError(f"kvloop trace did not attach:\n{proc.tail()}")
 
-    def trace_xfers(self, pid: int) -> list[str]:
-        """NIXL transfer events of process `pid` so far."""
+    def trace_xfers(self, name: str) -> list[str]:
+        """NIXL transfer events (`kvloop trace` lines) of engine `name`'s processes so far."""
         if not self.trace_path or not self.trace_path.exists():
             return []
+        pids = {f" pid={p} " for p in self.core_pids.get(name, [])}
         return [line for line in self.trace_path.read_text(errors="replace").splitlines()
-                if line.startswith("xfer") and "site=nixl" in line and f" pid={pid} " in line]
+                if line.startswith("xfer") and "site=kvloop" not in line
+                and any(p in line for p in pids)]
 
     def stop(self) -> None:
         for name in ["trace", "router-on", "router-off", "tap-p", "tap-d", "agent-p", "agent-d", "vllm-p", "vllm-d"]:

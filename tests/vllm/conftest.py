@@ -8,6 +8,7 @@ it never skips.
 import os
 import pathlib
 import re
+import signal
 import sys
 import time
 
@@ -20,6 +21,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import cluster as cl  # noqa: E402
 
 WORK = pathlib.Path(os.environ.get("KVLOOP_VLLM_WORK", ROOT / "target/vllm-test"))
+
+
+def _sigterm(*_):
+    # `timeout` stops the suite with SIGTERM: turn it into an exception so
+    # the fixture's teardown stops every process and removes the namespaces.
+    raise KeyboardInterrupt("SIGTERM")
+
+
+signal.signal(signal.SIGTERM, _sigterm)
 
 
 @pytest.fixture(scope="session")

