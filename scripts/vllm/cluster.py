@@ -49,6 +49,9 @@ P_PORT, D_PORT = 8100, 8200
 P_SIDE, D_SIDE = 5600, 5601
 P_ID, D_ID = "vl-p0", "vl-d0"
 AGENT_PORT = 9470
+#: The engines' dtype: bfloat16 as in production; KVLOOP_VLLM_DTYPE=float32
+#: separates numerical noise from wrong KV when investigating a difference.
+DTYPE = os.environ.get("KVLOOP_VLLM_DTYPE", "bfloat16")
 MODEL_NAME = "tiny"
 #: vLLM's CPU backend uses 128-token blocks unless told otherwise
 #: (vllm/platforms/cpu.py); the router's registry must say the same.
@@ -285,7 +288,7 @@ class Cluster:
         }
         return [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
-                "--host", "0.0.0.0", "--port", str(port), "--dtype", "bfloat16",
+                "--host", "0.0.0.0", "--port", str(port), "--dtype", DTYPE,
                 "--max-model-len", "4096", "--no-enable-prefix-caching", "--seed", "0",
                 "--kv-transfer-config", json.dumps(kv)]
 
