@@ -19,12 +19,16 @@ OFF = f"http://{cl.ROUTER_OFF}"
 
 #: Largest |logprob difference| accepted between an answer with reuse (P READ
 #: D's KV of the earlier turns) and the same answer recomputed. Calibrated on
-#: this model (bf16, CPU): reuse vs recompute measured 0 to 8.3e-05 (one bf16
-#: rounding step of a logit: D computed the earlier turns' KV token by token
-#: in decode, P in one prefill); a different context moves the first token's
-#: logprobs by about 1.7 (`wrong-prefix` in the report), which
-#: test_wrong_context_is_far_above_tolerance requires to be at least 10x this.
-TOLERANCE = 0.01
+#: this model in bf16 on CPU: reuse vs recompute measured 0 on most turns,
+#: up to 0.059 on a third turn (D computed the earlier answers' KV token by
+#: token in decode, P computes them in one prefill: bf16 rounds the two
+#: differently and the random model amplifies it). The same conversations with
+#: the engines in float32 (KVLOOP_VLLM_DTYPE=float32) differ by exactly 0,
+#: so the bf16 differences are rounding, not wrong KV. A different context
+#: moves the first token's logprobs by 1.7 and more (`wrong-prefix` in the
+#: report; 3.7 in float32), which test_wrong_context_is_far_above_tolerance
+#: requires to be at least 10x this.
+TOLERANCE = 0.1
 
 KINDS = [("chat", False), ("chat", True), ("completions", False), ("completions", True)]
 
@@ -162,18 +166,19 @@ def test_params_pass_through_exactly(cluster):
 def test_wrong_context_is_far_above_tolerance(cluster, words, report):
     """Calibration: the same turn 2 after a different turn 1 (what a READ of
     wrong blocks would feed the model) moves the first token's logprobs far
-    more than reuse does."""
+    more than reuse does; three different first turns, the smallest counts."""
     u = users(words, 2600)
-    other = users(words, 3400)
-    alt = [other[0]] + u[1:]
     a = conversation(OFF, "chat", False, u, None)
-    b = conversation(OFF, "chat", False, alt, None)
     again = conversation(OFF, "chat", False, u, None)
-    wrong = first_token_divergence(a[1], b[1])
+    wrong = []
+    for start in (3400, 4400, 5400):
+        b = conversation(OFF, "chat", False, [users(words, start)[0]] + u[1:], None)
+        wrong.append(first_token_divergence(a[1], b[1]))
     noise = max(max_logprob_diff(x, y) for x, y in zip(a, again))
-    report["figures"]["wrong-prefix first-token |dlogprob|"] = f"{wrong:.3f}"
+    report["figures"]["wrong-prefix first-token |dlogprob| (3 contexts)"] = " / ".join(f"{x:.2f}" for x in wrong)
     report["figures"]["recompute vs recompute |dlogprob|"] = f"{noise:.5f}"
-    assert wrong >= 10 * TOLERANCE, f"a different context moves logprobs by only {wrong}"
+    assert noise <= TOLERANCE, f"the same request twice differs by {noise}"
+    assert min(wrong) >= 10 * TOLERANCE, f"a different context moves logprobs by only {wrong}"
 
 
 def test_edited_history_recomputes_and_matches(cluster, words):
