@@ -318,7 +318,10 @@ kv_recompute_threshold = {threshold}
 prefix_check = "tokens"
 decoder_kv_blocks_ttl_ms = 120000
 ttl_safety_margin_ms = 20000
-health_interval_ms = 1000
+# vLLM answers /health slowly while it computes on a loaded 2-core machine:
+# a 1 s timeout (the default) marks busy engines unhealthy.
+health_interval_ms = 2000
+health_timeout_ms = 10000
 
 [[engines]]
 engine_id = "{P_ID}"

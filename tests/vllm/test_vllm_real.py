@@ -174,6 +174,8 @@ def test_wrong_context_is_far_above_tolerance(cluster, words, report):
     for start in (3400, 4400, 5400):
         b = conversation(OFF, "chat", False, [users(words, start)[0]] + u[1:], None)
         wrong.append(first_token_divergence(a[1], b[1]))
+        assert all(t.status == 200 and t.tokens for t in b), [t.raw for t in b]
+    assert all(t.status == 200 and t.tokens for t in a + again), [t.raw for t in a + again]
     noise = max(max_logprob_diff(x, y) for x, y in zip(a, again))
     report["figures"]["wrong-prefix first-token |dlogprob| (3 contexts)"] = " / ".join(f"{x:.2f}" for x in wrong)
     report["figures"]["recompute vs recompute |dlogprob|"] = f"{noise:.5f}"
