@@ -409,8 +409,38 @@ regions_per_block = 2
         wait_http(f"http://{ROUTER_OFF}/health", time.time() + 60, [self.procs["router-off"]])
         self.find_engine_cores()
         self.start_trace()
+        self.warm_up()
         self.startup_s = time.time() - t0
         log(f"up in {self.startup_s:.0f} s")
+
+    def warm_up(self, attempts: int = 3) -> None:
+        """Two-turn conversations through the reuse-on router until P has
+        done one D->P READ: the first transfer in each direction does the
+        NIXL handshake, whose reply vLLM waits for only 5 s (hard-coded in
+        nixl/base_worker.py), which a loaded 2-core machine can miss (P's
+        answer is then a 500 and the router retries without D's params)."""
+        body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0}
+        text = " ".join(["the router keeps the params of the decode engine"] * 30)
+        def failures() -> int:
+            return self.procs["vllm-p"].log_path.read_text(errors="replace").count("handshake_failed")
+
+        for k in range(attempts):
+            before = failures()
+            msgs = [{"role": "user", "content": text}]
+            st, b = http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
+                         dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
+            if st != 200:
+                continue
+            msgs += [{"role": "assistant", "content": json.loads(b)["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "and then"}]
+            http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
+                 dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
+            m = metrics(f"http://{ROUTER_ON}/metrics")
+            if metric_sum(m, "kvloop_router_decisions_total", reason="pulled") >= 1 and failures() == before:
+                log(f"warm-up: D->P READ done after {k + 1} conversation(s)")
+                return
+            log(f"warm-up {k + 1}: no clean D->P READ yet")
+        raise RuntimeError("warm-up: P never READ D's blocks:\n" + self.procs["vllm-p"].tail(30))
 
     def restart_decode(self, plugin: bool, timeout_s: float = 300.0) -> None:
         """Stops D and starts it again with or without the kvloop-vllm plugin."""
