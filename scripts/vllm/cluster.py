@@ -438,9 +438,24 @@ regions_per_block = 2
             m = metrics(f"http://{ROUTER_ON}/metrics")
             if metric_sum(m, "kvloop_router_decisions_total", reason="pulled") >= 1 and failures() == before:
                 log(f"warm-up: D->P READ done after {k + 1} conversation(s)")
+                self._settle_p_stats()
                 return
             log(f"warm-up {k + 1}: no clean D->P READ yet")
         raise RuntimeError("warm-up: P never READ D's blocks:\n" + self.procs["vllm-p"].tail(30))
+
+    def _settle_p_stats(self, timeout_s: float = 60.0) -> None:
+        """Waits until vLLM has published P's transfer stats (its /metrics and
+        its periodic "Num successful transfers" log line lag the READ), so
+        that the warm-up's READs do not land in a test's counts."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            m = metrics(f"http://{P_HOST}:{P_PORT}/metrics")
+            text = self.procs["vllm-p"].log_path.read_text(errors="replace")
+            logged = sum(int(x) for x in re.findall(r"Num successful transfers=(\d+)", text)) >= 1
+            if metric_sum(m, "vllm:nixl_xfer_time_seconds_count") >= 1 and logged:
+                return
+            time.sleep(1)
+        raise RuntimeError("warm-up: P's NIXL stats never showed its READ")
 
     def restart_decode(self, plugin: bool, timeout_s: float = 300.0) -> None:
         """Stops D and starts it again with or without the kvloop-vllm plugin."""
