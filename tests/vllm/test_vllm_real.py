@@ -86,8 +86,7 @@ def delta_when_settled(c: cl.Cluster, before: dict, expect_pulls: int, timeout_s
              "nixl_log": now["p"]["log"] - before["p"]["log"],
              "probe_p": now["probe_p"] - before["probe_p"],
              "probe_d": now["probe_d"] - before["probe_d"]}
-        settled = (d["nixl_metrics"] >= expect_pulls and d["nixl_log"] >= expect_pulls
-                   and d["probe_p"] >= expect_pulls)
+        settled = d["nixl_metrics"] >= expect_pulls and d["probe_p"] >= expect_pulls
         if settled or time.time() > deadline:
             return d
         time.sleep(2)
@@ -98,7 +97,8 @@ def test_conversations_reuse_and_match(cluster, words, report):
     answered; turns >= 2 are pulled (router), the READs are seen in P's NIXL
     metrics and by the probes on P's libnixl, the three agree; every turn's
     greedy tokens and logprobs match the same conversation without reuse."""
-    worst, failures = 0.0, []
+    worst, failures, total = 0.0, [], 0
+    start = snapshot(cluster)
     for n, (kind, stream) in enumerate(KINDS):
         name = f"{kind} {'stream' if stream else 'plain'}"
         u = users(words, 40 + 500 * n)
@@ -110,6 +110,7 @@ def test_conversations_reuse_and_match(cluster, words, report):
             assert b.status == 200 and b.tokens, f"{name} (no reuse) turn {i + 1} not answered: {b.raw}"
         # D returned params on every turn (plugin on for streams)
         expect = len(u) - 1
+        total += expect
         d = delta_when_settled(cluster, before, expect)
         diffs = [max_logprob_diff(a, b) for a, b in zip(on, off)]
         report["rows"].append({"name": name, "turns": len(u), "pulled": int(d["pulled"]),
@@ -118,7 +119,6 @@ def test_conversations_reuse_and_match(cluster, words, report):
         checks = [
             (d["pulled"] == expect, f"router pulled {d['pulled']}"),
             (d["nixl_metrics"] == expect, f"P's vllm:nixl_xfer_time_seconds_count moved by {d['nixl_metrics']}"),
-            (d["nixl_log"] == expect, f"P's 'Num successful transfers' sum moved by {d['nixl_log']}"),
             (d["probe_p"] == expect, f"kvloop trace saw {d['probe_p']} NIXL transfers in P"),
         ]
         for i, (a, b) in enumerate(zip(on, off)):
@@ -126,6 +126,20 @@ def test_conversations_reuse_and_match(cluster, words, report):
         checks.append((max(diffs) <= TOLERANCE, f"logprob differences {diffs} above {TOLERANCE}"))
         failures += [f"{name}: {msg} ({d})" for ok, msg in checks if not ok]
         worst = max(worst, max(diffs))
+    # vLLM logs "Num successful transfers=N" every 10 s for the interval
+    # before: per conversation the lines straddle the boundaries, in total
+    # they must agree (waited for until one more interval has been logged).
+    d = delta_when_settled(cluster, start, total)
+    deadline = time.time() + 40
+    while d["nixl_log"] < total and time.time() < deadline:
+        time.sleep(2)
+        d = delta_when_settled(cluster, start, total)
+    time.sleep(11)
+    d = delta_when_settled(cluster, start, total)
+    report["figures"]["D->P READs in P's 'Num successful transfers' log lines (all 4 conversations)"] = \
+        f"{int(d['nixl_log'])} (router pulled {int(d['pulled'])})"
+    if d["nixl_log"] != total:
+        failures.append(f"P's 'Num successful transfers' sum moved by {d['nixl_log']}, expected {total}")
     report["figures"]["max |dlogprob| reuse vs recompute"] = f"{worst:.5f} (tolerance {TOLERANCE})"
     assert not failures, "\n".join(failures)
     m = cl.metrics(f"http://{cl.P_HOST}:{cl.AGENT_PORT}/metrics")
