@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 
 MODEL = "tiny"
+#: Requests retried after a 503 "no healthy ... engine" from the router.
+RETRIES_503: list[str] = []
 TOP = 5
 
 
@@ -62,6 +65,15 @@ def ask(base: str, kind: str, stream: bool, history, conv_id: str | None, max_to
         body.update(prompt=history, logprobs=TOP)
         path = "/v1/completions"
     st, bodies = post(base, path, body, stream)
+    for _ in range(3):
+        # kvloop-router marks an engine unhealthy after one slow /health
+        # (a busy CPU engine on a loaded machine) and answers 503 until the
+        # next good check: retry a bounded number of times, and count it.
+        if st != 503 or "no healthy" not in json.dumps(bodies):
+            break
+        RETRIES_503.append(path)
+        time.sleep(3)
+        st, bodies = post(base, path, body, stream)
     if st != 200:
         return Turn("", [], [], [], None, False, st, bodies[0])
     text, toks, lps, top, fin, params = "", [], [], [], None, False

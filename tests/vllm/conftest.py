@@ -64,6 +64,10 @@ def report():
     yield r
     import json
 
+    from client import RETRIES_503
+
+    r["figures"]["requests retried after a router 503 (engine marked unhealthy)"] = len(RETRIES_503)
+
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "report.json").write_text(json.dumps(r, indent=1))
     lines = ["| conversation | turns | pulled at router | D->P READs (vLLM NIXL metrics) | "
