@@ -22,6 +22,7 @@ help:
 	@echo "make test   - run every test (installs what it needs first)"
 	@echo "make bench  - run the benchmarks (tables on stdout)"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
+	@echo "make test-vllm - kvloop in front of real vLLM engines (docs/vllm.md)"
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -57,3 +58,11 @@ bench: build
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+
+# kvloop in front of real vLLM engines (1 P + 1 D vLLM 0.32 CPU engines with
+# NixlConnector in two network namespaces; docs/vllm.md). The first run
+# installs vLLM's CPU build into ~/.cache/kvloop/vllm-venv (about 6 GB).
+.PHONY: test-vllm
+test-vllm: bootstrap
+	cargo build -p kvloop -p kvloop-agent -p kvloop-router
+	scripts/vllm/test.sh
