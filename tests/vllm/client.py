@@ -131,13 +131,16 @@ def max_logprob_diff(a: Turn, b: Turn) -> float:
     return d
 
 
-def first_token_divergence(a: Turn, b: Turn) -> float:
-    """Largest |logprob difference| of the first generated position's top-5
-    (tokens in either list; a token missing from one side counts at that
-    side's smallest listed logprob): how far two contexts' next-token
-    distributions are apart."""
-    if not a.top or not b.top:
+def context_divergence(a: Turn, b: Turn) -> float:
+    """How far two contexts' answers are apart: inf when the greedy tokens
+    differ (every turn check compares tokens exactly, so such a READ of wrong
+    blocks is caught outright), else the largest |logprob difference| over
+    every generated position's top-5 (a token missing from one side counts at
+    that side's smallest listed logprob)."""
+    if not a.top or not b.top or a.tokens != b.tokens:
         return float("inf")
-    ta, tb = a.top[0], b.top[0]
-    fa, fb = min(ta.values()), min(tb.values())
-    return max(abs(ta.get(k, fa) - tb.get(k, fb)) for k in ta.keys() | tb.keys())
+    d = 0.0
+    for ta, tb in zip(a.top, b.top):
+        fa, fb = min(ta.values()), min(tb.values())
+        d = max(d, max(abs(ta.get(k, fa) - tb.get(k, fb)) for k in ta.keys() | tb.keys()))
+    return d

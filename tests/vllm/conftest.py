@@ -51,9 +51,9 @@ def cluster():
 
 @pytest.fixture(scope="session")
 def words():
-    """Words of the README and the operator guide (all in the model's
-    vocabulary, which is built from the repository's Markdown), in order."""
-    text = (ROOT / "README.md").read_text() + (ROOT / "docs/operator-guide.md").read_text()
+    """Words of the frozen corpus the model's vocabulary is built from
+    (tests/vllm/corpus.md), in order."""
+    text = (ROOT / "tests/vllm/corpus.md").read_text()
     return [w for w in re.findall(r"\w+|[^\w\s]+", text) if w.isascii()]
 
 

@@ -12,7 +12,7 @@ import re
 import time
 
 import cluster as cl
-from client import conversation, first_token_divergence, max_logprob_diff
+from client import conversation, context_divergence, max_logprob_diff
 
 ON = f"http://{cl.ROUTER_ON}"
 OFF = f"http://{cl.ROUTER_OFF}"
@@ -179,19 +179,20 @@ def test_params_pass_through_exactly(cluster):
 
 def test_wrong_context_is_far_above_tolerance(cluster, words, report):
     """Calibration: the same turn 2 after a different turn 1 (what a READ of
-    wrong blocks would feed the model) moves the first token's logprobs far
-    more than reuse does; three different first turns, the smallest counts."""
+    wrong blocks would feed the model) changes the greedy tokens or moves the
+    answer's logprobs far more than reuse does; three different first turns,
+    the smallest counts."""
     u = users(words, 2600)
     a = conversation(OFF, "chat", False, u, None)
     again = conversation(OFF, "chat", False, u, None)
     wrong = []
     for start in (3400, 4400, 5400):
         b = conversation(OFF, "chat", False, [users(words, start)[0]] + u[1:], None)
-        wrong.append(first_token_divergence(a[1], b[1]))
+        wrong.append(context_divergence(a[1], b[1]))
         assert all(t.status == 200 and t.tokens for t in b), [t.raw for t in b]
     assert all(t.status == 200 and t.tokens for t in a + again), [t.raw for t in a + again]
     noise = max(max_logprob_diff(x, y) for x, y in zip(a, again))
-    report["figures"]["wrong-prefix first-token |dlogprob| (3 contexts)"] = " / ".join(f"{x:.2f}" for x in wrong)
+    report["figures"]["wrong-prefix answer |dlogprob| (3 contexts; inf: tokens differ)"] = " / ".join(f"{x:.2f}" for x in wrong)
     report["figures"]["recompute vs recompute |dlogprob|"] = f"{noise:.5f}"
     assert noise <= TOLERANCE, f"the same request twice differs by {noise}"
     assert min(wrong) >= 10 * TOLERANCE, f"a different context moves logprobs by only {wrong}"
