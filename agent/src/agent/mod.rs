@@ -1,0 +1,471 @@
+//! The agent's shared state and the operations of the local API: hosted
+//! engines (one [`TransferEngine`] per registered engine), leases, events,
+//! the cost model and the peer table.
+//!
+//! One transfer engine per registered engine (not one per agent): an engine
+//! id, a layout and a side-channel address are what a vLLM-compatible peer
+//! sees in `kv_transfer_params` (`remote_engine_id`, `remote_host`,
+//! `remote_port`), and the dataplane's handshake checks layouts per engine;
+//! separate engines keep that one-to-one and let engines with different
+//! layouts (models) share a node. The probe engine is one more engine.
+mod engines;
+mod leases;
+mod read;
+
+pub use read::dataplane_error;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use kvloop_costmodel::{
+    CostModel, Direction as CmDirection, Instant, KvShape, PairSpec, PrefillSample, SampleSource,
+    TransferSample,
+};
+use kvloop_dataplane::{
+    EngineConfig, HostRegion, KvLayout, ReadOutcome, ReadRequest, TransferEngine,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::config::AgentConfig;
+use crate::lease::{LeaseError, LeaseInfo, LeaseTable, Released};
+use crate::metrics::{Metrics, labels};
+use crate::proto::{ApiError, EngineEvent, ErrorKind, ErrorOrigin, ReadDirection, RegionSource};
+use crate::pulls::{AlarmChange, PullOutcome};
+
+/// Prefix of the probe engine's id: `probe.<agent_id>`.
+pub const PROBE_ENGINE_PREFIX: &str = "probe.";
+
+/// What a peer agent says about itself at `GET /v1/engines`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EnginesInfo {
+    /// Agent-to-agent API version ([`crate::http::API_VERSION`]).
+    pub version: u32,
+    /// The agent's id.
+    pub agent_id: String,
+    /// Its probe engine (id, side channel), when probes run.
+    pub probe: Option<EngineAddr>,
+    /// Engines it hosts.
+    pub engines: Vec<EngineAddr>,
+}
+
+/// An engine id and its side-channel address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineAddr {
+    /// Engine id.
+    pub engine_id: String,
+    /// Side channel.
+    pub side_channel: SocketAddr,
+}
+
+/// What the agent knows about a peer agent.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeerState {
+    /// Its HTTP address.
+    pub http: Option<SocketAddr>,
+    /// Its last `/v1/engines` answer.
+    pub info: Option<EnginesInfo>,
+    /// Local interface of the path.
+    pub interface: Option<String>,
+    /// `false` while the link under the path is down.
+    pub path_valid: bool,
+    /// Bandwidth alarm raised.
+    pub alarm: bool,
+}
+
+struct Hosted {
+    engine: TransferEngine,
+    generation: u64,
+    _notif: AbortOnDrop,
+}
+
+/// Aborts a task when dropped.
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[derive(Default)]
+struct EventQueue {
+    q: VecDeque<EngineEvent>,
+    notify: Arc<Notify>,
+}
+
+/// Most events queued per engine; older ones are dropped first.
+const MAX_QUEUED_EVENTS: usize = 65536;
+
+/// The agent.
+pub struct Agent {
+    /// Configuration in force.
+    pub cfg: AgentConfig,
+    start: std::time::Instant,
+    engines: RwLock<HashMap<String, Hosted>>,
+    leases: Mutex<LeaseTable>,
+    events: Mutex<HashMap<String, EventQueue>>,
+    /// The cost model (sans-IO; driven by [`crate::tasks`]).
+    pub model: Mutex<CostModel>,
+    /// Peer agents by name.
+    pub peers: RwLock<HashMap<String, PeerState>>,
+    /// The probe engine, when probes run.
+    pub probe_engine: Option<TransferEngine>,
+    /// eBPF probes (or their user-space fallback).
+    pub probes: kvloop_probes::Probes,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// HTTP client for peers and routers.
+    pub http: reqwest::Client,
+    /// Sequence of threshold pushes.
+    pub push_seq: AtomicU64,
+    /// Wakes the push task at once (a path was invalidated).
+    pub push_now: Notify,
+    /// The agent's own READs are timed in the kernel (eBPF loaded and its
+    /// READ-site uprobes attached); otherwise they are timed in user space
+    /// and labelled `source="userspace"`.
+    pub reads_timed_in_kernel: bool,
+    next_generation: AtomicU64,
+    /// Consecutive unread pulls per (reader, owner) pair.
+    pulls: Mutex<crate::pulls::PullTracker>,
+}
+
+pub use crate::config::is_own_peer_entry;
+
+impl Agent {
+    /// Builds the agent: cost model with the configured pairs, probe engine.
+    ///
+    /// # Errors
+    /// A bad pair or cost model config; the probe engine failing to start.
+    pub async fn new(cfg: AgentConfig, probes: kvloop_probes::Probes) -> anyhow::Result<Arc<Self>> {
+        let mut model = CostModel::new(cfg.cost_model.clone())?;
+        for p in &cfg.pairs {
+            model.upsert_pair(PairSpec {
+                prefill_engine_id: p.prefill_engine_id.clone(),
+                decode_engine_id: p.decode_engine_id.clone(),
+                decode_peer: p.decode_peer.clone(),
+                shape: KvShape {
+                    bytes_per_token: p.bytes_per_token,
+                    block_size_tokens: p.block_size_tokens,
+                    regions_per_block: p.regions_per_block,
+                },
+            })?;
+        }
+        let probe_engine = if cfg.probe.enabled {
+            let p = &cfg.probe;
+            let layout = KvLayout {
+                num_regions: p.num_regions,
+                num_blocks: p.num_blocks,
+                block_len_bytes: p.block_len_bytes,
+                block_size_tokens: p.block_size_tokens,
+            };
+            let regions = (0..p.num_regions)
+                .map(|i| HostRegion::new(&format!("probe{i}"), layout.region_len_bytes() as usize))
+                .collect::<Result<Vec<_>, _>>()?;
+            let ecfg = EngineConfig {
+                engine_id: format!("{PROBE_ENGINE_PREFIX}{}", cfg.agent_id),
+                side_channel_addr: SocketAddr::new(cfg.node_addr, p.side_channel_port),
+                backend: cfg.backend.clone(),
+                layout,
+                read_timeout_ms: cfg.read_timeout_ms.max(10_000),
+                handshake_timeout_ms: 5000,
+            };
+            Some(TransferEngine::start(ecfg, regions).await?)
+        } else {
+            None
+        };
+        let peers: HashMap<String, PeerState> = cfg
+            .peers
+            .iter()
+            .filter(|p| {
+                let own = is_own_peer_entry(&cfg, p);
+                if own {
+                    tracing::info!(peer = %p.name, http = %p.http, "peers[]: skipping this agent's own entry");
+                }
+                !own
+            })
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    PeerState {
+                        http: Some(p.http),
+                        info: None,
+                        interface: p.interface.clone(),
+                        path_valid: true,
+                        alarm: false,
+                    },
+                )
+            })
+            .collect();
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(1000))
+            .timeout(Duration::from_millis(cfg.push_timeout_ms.max(1000)))
+            .build()?;
+        let reads_timed_in_kernel = probes.source() == kvloop_probes::Source::Ebpf
+            && probes
+                .attached()
+                .iter()
+                .any(|a| a.ends_with("-> kvloop_read_post"));
+        let metrics = Metrics::default();
+        for name in peers.keys() {
+            metrics
+                .path_valid
+                .get_or_create(&labels(&[("peer", name.as_str())]))
+                .set(1);
+        }
+        Ok(Arc::new(Self {
+            leases: Mutex::new(LeaseTable::new(cfg.lease)),
+            cfg,
+            start: std::time::Instant::now(),
+            engines: RwLock::new(HashMap::new()),
+            events: Mutex::new(HashMap::new()),
+            model: Mutex::new(model),
+            peers: RwLock::new(peers),
+            probe_engine,
+            probes,
+            metrics,
+            http,
+            push_seq: AtomicU64::new(1),
+            push_now: Notify::new(),
+            reads_timed_in_kernel,
+            next_generation: AtomicU64::new(1),
+            pulls: Mutex::new(crate::pulls::PullTracker::default()),
+        }))
+    }
+
+    /// Milliseconds since the agent started (its only clock for leases).
+    pub fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// The cost model's clock: nanoseconds since the agent started.
+    pub fn now(&self) -> Instant {
+        Instant::from_nanos(self.start.elapsed().as_nanos() as u64)
+    }
+
+    /// What `GET /v1/engines` answers.
+    pub fn engines_info(&self) -> EnginesInfo {
+        let engines = self
+            .engines
+            .read()
+            .unwrap()
+            .iter()
+            .map(|(id, h)| EngineAddr {
+                engine_id: id.clone(),
+                side_channel: h.engine.side_channel_addr(),
+            })
+            .collect();
+        EnginesInfo {
+            version: crate::http::API_VERSION,
+            agent_id: self.cfg.agent_id.clone(),
+            probe: self.probe_engine.as_ref().map(|e| EngineAddr {
+                engine_id: e.engine_id().to_string(),
+                side_channel: e.side_channel_addr(),
+            }),
+            engines,
+        }
+    }
+
+    /// The peer agent hosting `engine_id` (from the peers' engine lists).
+    /// An id of exactly [`kvloop_common::PEER_LEN`] bytes also matches the
+    /// longer ids it is a prefix of (probe samples carry truncated ids).
+    pub fn peer_of_engine(&self, engine_id: &str) -> Option<String> {
+        let truncated = engine_id.len() == kvloop_common::PEER_LEN;
+        let m = |id: &str| id == engine_id || (truncated && id.starts_with(engine_id));
+        let peers = self.peers.read().unwrap();
+        peers
+            .iter()
+            .find(|(_, p)| {
+                p.info.as_ref().is_some_and(|i| {
+                    i.engines.iter().any(|e| m(&e.engine_id))
+                        || i.probe.as_ref().is_some_and(|e| m(&e.engine_id))
+                })
+            })
+            .map(|(n, _)| n.clone())
+    }
+
+    fn engine(&self, engine_id: &str) -> Result<TransferEngine, ApiError> {
+        self.engines
+            .read()
+            .unwrap()
+            .get(engine_id)
+            .map(|h| h.engine.clone())
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::UnknownEngine,
+                    format!("engine_id `{engine_id}` is not registered with this agent"),
+                )
+            })
+    }
+
+    /// Records a prefill reported by an engine.
+    ///
+    /// # Errors
+    /// `bad_request` naming the field.
+    pub fn record_prefill(
+        &self,
+        engine_id: &str,
+        prompt_tokens: u64,
+        reused_tokens: u64,
+        latency_us: u64,
+    ) -> Result<(), ApiError> {
+        let s = PrefillSample {
+            at: self.now(),
+            prompt_tokens,
+            reused_tokens,
+            latency: Duration::from_micros(latency_us),
+            source: SampleSource::Userspace,
+        };
+        self.model
+            .lock()
+            .unwrap()
+            .record_prefill(engine_id, s)
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
+    }
+
+    /// Explanation of a pair: rendered text and JSON.
+    ///
+    /// # Errors
+    /// `bad_request` when the pair is unknown.
+    pub fn explain(&self, p: &str, d: &str) -> Result<(String, serde_json::Value), ApiError> {
+        let now = self.now();
+        let m = self.model.lock().unwrap();
+        let ex = m.explain(p, d, now).ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("pair `{p},{d}`: not configured on this agent (pairs[] of the config)"),
+            )
+        })?;
+        let json = serde_json::to_value(&ex).unwrap_or_default();
+        Ok((ex.to_string(), json))
+    }
+
+    /// Status as JSON.
+    pub fn status(&self) -> serde_json::Value {
+        let now = self.now();
+        let m = self.model.lock().unwrap();
+        let thresholds: Vec<_> = m
+            .pair_thresholds(Duration::from_millis(self.cfg.valid_for_ms()))
+            .into_iter()
+            .map(|p| {
+                serde_json::json!({"prefill_engine_id": p.prefill_engine_id,
+                 "decode_engine_id": p.decode_engine_id, "threshold_tokens": p.threshold_tokens})
+            })
+            .collect();
+        let peers: serde_json::Map<String, serde_json::Value> = self
+            .peers
+            .read()
+            .unwrap()
+            .iter()
+            .map(|(n, p)| {
+                let fit = m.transfer_fit(n, CmDirection::Inbound, now);
+                (
+                    n.clone(),
+                    serde_json::json!({
+                        "path_valid": p.path_valid,
+                        "alarm": p.alarm,
+                        "interface": p.interface,
+                        "known": p.info.is_some(),
+                        "bandwidth_bytes_per_s": fit.as_ref().map(|f| f.coefficients.bandwidth_bytes_per_s()),
+                        "fixed_ms": fit.as_ref().map(|f| f.coefficients.fixed_ms),
+                    }),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "agent_id": self.cfg.agent_id,
+            "engines": self.engines_info(),
+            "leases": self.leases.lock().unwrap().len(),
+            "ebpf": self.probes.source() == kvloop_probes::Source::Ebpf,
+            "read_timing": self.read_timing_label(),
+            "peers": peers,
+            "thresholds": thresholds,
+        })
+    }
+
+    /// Where this agent's own READs are timed: `ebpf` (READ-site uprobes
+    /// attached) or `userspace`.
+    pub fn read_timing_label(&self) -> &'static str {
+        if self.reads_timed_in_kernel {
+            "ebpf"
+        } else {
+            "userspace"
+        }
+    }
+
+    /// Drops every hosted engine (shutdown).
+    pub fn shutdown(&self) {
+        self.engines.write().unwrap().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read::lease_covers;
+    use super::*;
+    use kvloop_dataplane::BlockPair;
+
+    #[test]
+    fn dataplane_errors_keep_their_kind_origin_and_retry_safety() {
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::UnknownPeer {
+            engine_id: "d0".into(),
+        });
+        assert_eq!(e.kind, ErrorKind::UnknownPeer);
+        assert_eq!((e.origin, e.retry_safe), (Some(ErrorOrigin::Local), false));
+        assert!(e.message.contains("d0"), "{e}");
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::Timeout {
+            xfer_id: 3,
+            engine_id: "d0".into(),
+            timeout_ms: 50,
+        });
+        assert_eq!(e.kind, ErrorKind::Timeout);
+        assert_eq!((e.origin, e.retry_safe), (Some(ErrorOrigin::Backend), true));
+        let e = dataplane_error(&kvloop_dataplane::DataplaneError::PeerGone {
+            engine_id: "d0".into(),
+            reason: "closed".into(),
+        });
+        assert_eq!(
+            (e.kind, e.origin),
+            (ErrorKind::PeerGone, Some(ErrorOrigin::Peer))
+        );
+    }
+
+    #[test]
+    fn a_checked_read_names_only_retained_blocks() {
+        let lease = LeaseInfo {
+            engine_id: "d0".into(),
+            request_id: "r1".into(),
+            block_ids: vec![4, 5, 9],
+            expires_in_ms: 10_000,
+            notifications: 0,
+        };
+        let ok = [
+            BlockPair {
+                remote: 9,
+                local: 0,
+            },
+            BlockPair {
+                remote: 4,
+                local: 1,
+            },
+        ];
+        assert!(lease_covers(&lease, &ok).is_ok());
+        let bad = [
+            BlockPair {
+                remote: 5,
+                local: 0,
+            },
+            BlockPair {
+                remote: 6,
+                local: 1,
+            },
+        ];
+        let e = lease_covers(&lease, &bad).unwrap_err();
+        assert_eq!(e.kind, "lease");
+        assert!(e.message.contains("blocks[1].remote = 6"), "{}", e.message);
+        assert!(e.message.contains("`r1`"), "{}", e.message);
+    }
+}

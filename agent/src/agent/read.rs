@@ -1,0 +1,239 @@
+//! The managed READ pipeline: connecting a hosted engine to a peer's side
+//! channel, the checked READ (lease renewal at the owner, coverage, timing),
+//! pull outcomes per pair, and the mapping of dataplane errors to the local
+//! API's typed errors.
+use super::*;
+
+impl Agent {
+    /// Connects a hosted engine to a remote engine.
+    ///
+    /// # Errors
+    /// `unknown_engine`, `dataplane`.
+    pub async fn connect(&self, engine_id: &str, remote: SocketAddr) -> Result<String, ApiError> {
+        let e = self.engine(engine_id)?;
+        let md = e.connect(remote).await.map_err(|e| dataplane_error(&e))?;
+        Ok(md.engine_id)
+    }
+
+    /// A managed READ (see [`crate::proto::Request::Read`]).
+    ///
+    /// # Errors
+    /// `unknown_engine`, `bad_request`, `lease`, `dataplane`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn read(
+        &self,
+        engine_id: &str,
+        peer_engine_id: &str,
+        blocks: Vec<kvloop_dataplane::BlockPair>,
+        direction: ReadDirection,
+        notify: Option<kvloop_dataplane::OwnerNotify>,
+        check_lease: bool,
+        timeout_ms: Option<u64>,
+    ) -> Result<ReadOutcome, ApiError> {
+        let e = self.engine(engine_id)?;
+        let dir_label = match direction {
+            ReadDirection::D2p => "d2p",
+            ReadDirection::P2d => "p2d",
+        };
+        if check_lease {
+            let req = notify.as_ref().ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::BadRequest,
+                    "notify: check_lease needs notify.owner_request_id (the owner's request)",
+                )
+            })?;
+            let lease_ms = self.cfg.lease.max_lease_ms;
+            let checked = self
+                .renew(peer_engine_id, &req.owner_request_id, lease_ms)
+                .await
+                .and_then(|lease| lease_covers(&lease, &blocks));
+            if let Err(err) = checked {
+                self.metrics
+                    .reads
+                    .get_or_create(&labels(&[("direction", dir_label), ("result", "declined")]))
+                    .inc();
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Declined(err.kind));
+                return Err(err);
+            }
+        }
+        let r = e
+            .read(&ReadRequest {
+                peer_engine_id: peer_engine_id.to_string(),
+                blocks,
+                direction: direction.to_dataplane(),
+                notify,
+                timeout_ms,
+            })
+            .await;
+        match r {
+            Ok(o) => {
+                self.metrics
+                    .reads
+                    .get_or_create(&labels(&[("direction", dir_label), ("result", "ok")]))
+                    .inc();
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Read);
+                self.metrics
+                    .read_bytes
+                    .get_or_create(&labels(&[("direction", dir_label)]))
+                    .inc_by(o.bytes);
+                if !self.reads_timed_in_kernel {
+                    self.observe_read_userspace(peer_engine_id, direction, &o);
+                }
+                if let Some(peer) = self.peer_of_engine(peer_engine_id) {
+                    self.record_own_read(&peer, &o, SampleSource::Userspace);
+                }
+                Ok(o)
+            }
+            Err(err) => {
+                self.metrics
+                    .reads
+                    .get_or_create(&labels(&[("direction", dir_label), ("result", "error")]))
+                    .inc();
+                let err = dataplane_error(&err);
+                self.record_pull(engine_id, peer_engine_id, PullOutcome::Failed(err.kind));
+                Err(err)
+            }
+        }
+    }
+
+    /// Counts a pull of `owner`'s blocks by `reader` and raises or clears
+    /// the pair's alarm (`kvloop_agent_pull_alarm`, a warning when raised).
+    pub(super) fn record_pull(&self, reader: &str, owner: &str, outcome: PullOutcome) {
+        self.metrics
+            .pulls
+            .get_or_create(&labels(&[
+                ("reader", reader),
+                ("owner", owner),
+                ("result", outcome.result_label()),
+                ("reason", outcome.reason_label()),
+            ]))
+            .inc();
+        let change = self.pulls.lock().unwrap().record(reader, owner, outcome);
+        let alarm = self
+            .metrics
+            .pull_alarm
+            .get_or_create(&labels(&[("reader", reader), ("owner", owner)]));
+        match change {
+            AlarmChange::Raised(n) => {
+                alarm.set(1);
+                tracing::warn!(reader, owner, unread = n, last = ?outcome,
+                               "pulls of this pair keep failing: every turn recomputes");
+            }
+            AlarmChange::Cleared => {
+                alarm.set(0);
+                tracing::info!(reader, owner, "pulls of this pair read again");
+            }
+            AlarmChange::Unchanged => {}
+        }
+    }
+
+    /// Records a READ this agent made from `peer` in the cost model. Where
+    /// the eBPF probes are loaded the kernel timing of the same READ is used
+    /// instead ([`crate::tasks`] drains it), so user-space timing is only
+    /// recorded in fallback mode; active probes are always recorded as such.
+    pub fn record_own_read(&self, peer: &str, o: &ReadOutcome, source: SampleSource) {
+        if source == SampleSource::Userspace && self.reads_timed_in_kernel {
+            return;
+        }
+        let s = TransferSample {
+            at: self.now(),
+            bytes: o.bytes,
+            descriptors: o.descriptors as u64,
+            latency: Duration::from_micros(o.elapsed_us.max(1)),
+            source,
+        };
+        if let Err(e) = self
+            .model
+            .lock()
+            .unwrap()
+            .record_transfer(peer, CmDirection::Inbound, s)
+        {
+            tracing::debug!(error = %e, "transfer sample rejected");
+        }
+    }
+
+    /// Feeds a READ timed in user space to the probes' transfer histograms
+    /// (`source="userspace"`), where the kernel does not time this agent's
+    /// READs.
+    pub(super) fn observe_read_userspace(
+        &self,
+        peer_engine_id: &str,
+        direction: ReadDirection,
+        o: &ReadOutcome,
+    ) {
+        let args = kvloop_common::ReadProbeArgs {
+            xfer_id: o.xfer_id,
+            bytes: o.bytes,
+            descriptors: o.descriptors,
+            direction: direction.to_dataplane() as u8,
+            backend: match self.cfg.backend {
+                kvloop_dataplane::BackendConfig::Libfabric(_) => {
+                    kvloop_common::BackendKind::Libfabric as u8
+                }
+                kvloop_dataplane::BackendConfig::Nixl(_) => kvloop_common::BackendKind::Nixl as u8,
+            },
+            status: 0,
+            peer: kvloop_common::ReadProbeArgs::peer_from_str(peer_engine_id),
+        };
+        self.probes
+            .observe_read_userspace(&args, Duration::from_micros(o.elapsed_us.max(1)));
+    }
+}
+
+/// A dataplane failure as the local API reports it: the finer kind, where
+/// it came from ([`kvloop_dataplane::DataplaneError::source_kind`]) and
+/// whether sending the request again is safe
+/// ([`kvloop_dataplane::DataplaneError::retry_safe`]).
+pub fn dataplane_error(e: &kvloop_dataplane::DataplaneError) -> ApiError {
+    use kvloop_dataplane::DataplaneError as D;
+    let kind = match e {
+        D::BlockOutOfRange { .. } | D::DuplicateLocalBlock { .. } => ErrorKind::BlockRange,
+        D::BlockQuarantined { .. } => ErrorKind::BlockQuarantined,
+        D::UnknownPeer { .. } => ErrorKind::UnknownPeer,
+        D::LayoutMismatch { .. } => ErrorKind::LayoutMismatch,
+        D::Handshake { .. } => ErrorKind::Handshake,
+        D::Timeout { .. } => ErrorKind::Timeout,
+        D::PeerGone { .. } => ErrorKind::PeerGone,
+        D::Backend { .. } | D::NixlUnavailable(_) => ErrorKind::Backend,
+        D::Config { .. } => ErrorKind::BadRequest,
+        D::Shutdown => ErrorKind::Internal,
+        D::Protocol { .. } | D::Io { .. } => ErrorKind::Dataplane,
+    };
+    let origin = match e.source_kind() {
+        kvloop_dataplane::ErrorSource::Local => ErrorOrigin::Local,
+        kvloop_dataplane::ErrorSource::Peer => ErrorOrigin::Peer,
+        kvloop_dataplane::ErrorSource::Backend => ErrorOrigin::Backend,
+    };
+    ApiError::new(kind, e.to_string())
+        .with_origin(origin)
+        .retry_safe(e.retry_safe())
+}
+
+/// A READ checked against the owner's lease may only name blocks the lease
+/// retains: params that name other blocks (stale, or not this request's)
+/// are declined rather than served from the wrong blocks.
+///
+/// # Errors
+/// `lease`, naming the first block pair the lease does not cover.
+pub(super) fn lease_covers(
+    lease: &LeaseInfo,
+    blocks: &[kvloop_dataplane::BlockPair],
+) -> Result<(), ApiError> {
+    match blocks
+        .iter()
+        .enumerate()
+        .find(|(_, b)| !lease.block_ids.contains(&b.remote))
+    {
+        None => Ok(()),
+        Some((i, b)) => Err(ApiError::new(
+            ErrorKind::Lease,
+            format!(
+                "blocks[{i}].remote = {}: not retained under request `{}` of engine `{}` (it retains {} blocks)",
+                b.remote,
+                lease.request_id,
+                lease.engine_id,
+                lease.block_ids.len()
+            ),
+        )),
+    }
+}
