@@ -14,7 +14,7 @@
 #         carries libnixl_capi.so and the UCX/LIBFABRIC plugins, no headers, so
 #         nixl-sys is built with its `stub-api` feature and dlopens them.
 #   ebpf  nightly rust-src (aya-build compiles core for bpfel) and bpf-linker
-#         0.13.0 built against LLVM 22 (shared/RECIPES.md).
+#         0.13.0 built against LLVM 22 (docs/recipes.md).
 #   venv  Python packages of the deployment tests (deploy/tests/requirements.txt:
 #         pytest, kubernetes-validate, helm-python-sdk, ...) in target/deploy-venv.
 #

@@ -2,7 +2,7 @@
 //! and a lease a reader can renew. Pure code, time injected (`now_ms` on any
 //! monotonic clock of the caller; only differences are used).
 //!
-//! Rules (shared/PROTOCOL.md, "Engine-side rules"):
+//! Rules (docs/protocol.md, "Engine-side rules"):
 //! * an owner retains a request's blocks for a TTL (vLLM's
 //!   `decoder_kv_blocks_ttl`, 480 s on D; a 30 s lease on P);
 //! * a reader renews the lease while it waits (heartbeats), never beyond
@@ -28,7 +28,7 @@ pub struct LeaseConfig {
     /// ms. Default 30000 (vLLM's P-side lease, 30 s).
     pub max_lease_ms: u64,
     /// A READ is declined when the blocks expire within this margin, ms.
-    /// Default 5000 (shared/PROTOCOL.md: 5 s).
+    /// Default 5000 (docs/protocol.md: 5 s).
     pub safety_margin_ms: u64,
     /// Longest TTL an owner may ask for, ms. Default 3600000 (1 h).
     pub max_ttl_ms: u64,

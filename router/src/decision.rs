@@ -1,4 +1,4 @@
-//! The per-request reuse decision (PROTOCOL.md Router rules 1, 3 and 7).
+//! The per-request reuse decision (docs/protocol.md Router rules 1, 3 and 7).
 //! Pure: the caller has already taken the conversation's entry from the store
 //! (single use) and passes the time in.
 use serde_json::value::RawValue;

@@ -1,4 +1,4 @@
-//! Prefix fingerprints for the prefix safety check (PROTOCOL.md Router rule 3).
+//! Prefix fingerprints for the prefix safety check (docs/protocol.md Router rule 3).
 //! Pure: no I/O.
 //!
 //! The router does not keep whole prompts. It keeps, per stored turn, hashes

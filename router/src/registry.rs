@@ -1,4 +1,4 @@
-//! Engine registry (PROTOCOL.md Router rule 5): `engine_id` → HTTP address,
+//! Engine registry (docs/protocol.md Router rule 5): `engine_id` → HTTP address,
 //! side-channel address, role, tp size, block size. Pure data; health is kept
 //! by the server shell.
 use std::collections::HashMap;

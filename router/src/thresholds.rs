@@ -1,4 +1,4 @@
-//! Recompute thresholds per (prefill, decode) engine pair (PROTOCOL.md Router
+//! Recompute thresholds per (prefill, decode) engine pair (docs/protocol.md Router
 //! rule 7). Pure: time is passed in as ms on the router's own clock.
 //!
 //! A push ([`ThresholdUpdate`]) sets, per pair, a threshold and optionally the

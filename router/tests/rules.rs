@@ -1,4 +1,4 @@
-//! One test per router rule of shared/PROTOCOL.md, each with its failure case,
+//! One test per router rule of docs/protocol.md, each with its failure case,
 //! against real engine-sims on loopback sockets.
 mod common;
 

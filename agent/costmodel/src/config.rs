@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// vLLM's static `kv_recompute_threshold` default, in tokens (source: vLLM
-/// NixlConnector `bidirectional_kv_xfer` docs, see `shared/DESIGN.md`).
+/// NixlConnector `bidirectional_kv_xfer` docs, see `docs/design.md`).
 pub const VLLM_STATIC_THRESHOLD_TOKENS: u64 = 64;
 
 /// Errors of [`CostModelConfig::validate`]; each names the bad field.

@@ -16,7 +16,7 @@
 //! A uprobe placed on a 5-byte NOP is turned by the kernel into a trampoline
 //! call instead of a single-step trap: about 0.7 µs per hit on this VM instead
 //! of about 10 µs for an ordinary function entry (measured, see
-//! `shared/RECIPES.md`). With no probe attached a call costs a few ns.
+//! `docs/recipes.md`). With no probe attached a call costs a few ns.
 //!
 //! Contract: one READ is one `read_post` and one `read_done` with the same
 //! `xfer_id`, in the same process. The eBPF side pairs them by

@@ -12,7 +12,7 @@
 //! average half of the new ones. `t0` is the fixed cost of a forward pass
 //! (scheduling, kernel launches, sampling of the first token).
 //!
-//! Calibration (shared/DESIGN.md, "Reported result"): the published TTFT
+//! Calibration (docs/design.md, "Reported result"): the published TTFT
 //! without D→P reuse (OFF) is 778 ms for Qwen3-32B at 24 000 prompt tokens and
 //! 2334 ms for GLM-5-FP8 at 20 000, on 1P+1D p5en.48xlarge (8 × H200, TP 8)
 //! over EFA, vLLM bi-directional KV transfer. The OFF TTFT is dominated by
@@ -51,7 +51,7 @@ impl CostProfile {
     ///
     /// - `t0_ms = 20`: assumed fixed forward-pass cost of a 32B dense model at
     ///   TP 8 (decode-step latencies of this size are ~15–25 ms on H100/H200).
-    /// - OFF TTFT 778 ms at n = 24 000 (published, shared/DESIGN.md), attention
+    /// - OFF TTFT 778 ms at n = 24 000 (published, docs/design.md), attention
     ///   share 25 % of the variable part at 24k (assumed: 64 layers, 8 KV heads,
     ///   head dim 128 against a 5120-wide MLP stack).
     /// - `a = 0.75 × 758 / 24 000 = 0.023 69 ms/token`,
@@ -69,7 +69,7 @@ impl CostProfile {
     ///
     /// - `t0_ms = 30`: assumed fixed forward-pass cost of a large MoE model
     ///   (expert routing and all-to-all add to the dense case).
-    /// - OFF TTFT 2334 ms at n = 20 000 (published, shared/DESIGN.md),
+    /// - OFF TTFT 2334 ms at n = 20 000 (published, docs/design.md),
     ///   attention share 30 % of the variable part at 20k (assumed).
     /// - `a = 0.70 × 2304 / 20 000 = 0.080 64 ms/token`,
     ///   `b = 0.30 × 2304 / (20 000² / 2) = 3.456e-6 ms/token²`.

@@ -1,4 +1,4 @@
-//! engine-sim's engine-side rules (shared/PROTOCOL.md), over real loopback sockets.
+//! engine-sim's engine-side rules (docs/protocol.md), over real loopback sockets.
 use kvloop_engine_sim::{Role, SimConfig, spawn};
 use serde_json::{Value, json};
 

@@ -6,7 +6,7 @@
 //! `"max_tokens"` (the token count of the conversation's reference answer,
 //! capped by [`ClientConfig::max_output_tokens`]) and `"conversation_id"` in
 //! the body, and the same id as the `X-Session-ID` header (see
-//! `shared/PROTOCOL.md`). The server's real answer (the concatenated
+//! `docs/protocol.md`). The server's real answer (the concatenated
 //! `delta.content`) becomes the assistant message of the history for the next
 //! turn; the reference answer is never sent.
 //!

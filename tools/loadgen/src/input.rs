@@ -1,6 +1,6 @@
 //! Readers for vLLM's `benchmarks/multi_turn` input files.
 //!
-//! Two shapes are accepted (see `shared/PROTOCOL.md`, last section, and
+//! Two shapes are accepted (see `docs/protocol.md`, last section, and
 //! vLLM's `benchmarks/multi_turn/bench_dataset.py`):
 //!
 //! 1. a JSON list of conversations `[{"id": str, "messages": [{"role": str,

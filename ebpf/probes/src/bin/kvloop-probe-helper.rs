@@ -19,7 +19,7 @@
 //! NIXL-UCX backend or libfabric `shm` / `tcp;ofi_rxm`.
 //! `nixl-read` makes DRAM→DRAM READs of `bytes` between two NIXL agents of
 //! this process through the UCX backend (needs `LD_LIBRARY_PATH`,
-//! `NIXL_PLUGIN_DIR`, `UCX_MODULES='^ib*'`; shared/RECIPES.md) and times
+//! `NIXL_PLUGIN_DIR`, `UCX_MODULES='^ib*'`; docs/recipes.md) and times
 //! `postXferReq` → first successful `getXferStatus`.
 //! `nixl-prepped` makes transfers the way vLLM's NIXL connector does:
 //! descriptor lists prepared once (`prepXferDlist`), each request made from
