@@ -35,7 +35,7 @@ ROUTER_STRUCTS = {
 }
 AGENT_STRUCTS = {
     "": ("agent/src/config.rs", "AgentConfig"),
-    "backend": ("dataplane/src/fabric/mod.rs", "FabricConfig"),
+    "backend": ("dataplane/src/fabric/config.rs", "FabricConfig"),
     "lease": ("agent/src/lease.rs", "LeaseConfig"),
     "probe": ("agent/src/config.rs", "ProbeConfig"),
     "network": ("agent/src/config.rs", "NetworkConfig"),
