@@ -253,7 +253,9 @@ pub(crate) async fn metrics_text(State(e): State<Arc<Engine>>) -> Response {
 
 /// The node agent's link of a managed-mode engine (`--kv-mode agent`), if any.
 fn agent_link(e: &Engine) -> Option<&Arc<crate::managed::AgentLink>> {
-    e.kv.as_ref().and_then(|k| k.registration()).map(|r| r.link())
+    e.kv.as_ref()
+        .and_then(|k| k.registration())
+        .map(|r| r.link())
 }
 
 /// Inserts the agent link's families before OpenMetrics' closing `# EOF`.

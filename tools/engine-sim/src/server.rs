@@ -9,7 +9,6 @@ use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
@@ -18,7 +17,9 @@ use tracing::warn;
 use crate::blocks::BlockAllocator;
 use crate::config::{KvMode, Role, SimConfig};
 use crate::engine::Engine;
-use crate::http::{chat_completions, completions, health, metrics_text, models, reads, stats, tokenize};
+use crate::http::{
+    chat_completions, completions, health, metrics_text, models, reads, stats, tokenize,
+};
 use crate::kv::{DataplaneTransfer, KvMemory, KvShape};
 use crate::managed;
 use crate::metrics;
