@@ -16,6 +16,7 @@ pub mod fingerprint;
 pub mod metrics;
 pub mod params;
 pub mod registry;
+pub mod select;
 pub mod server;
 pub mod sse;
 pub mod store;

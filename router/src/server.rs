@@ -1,6 +1,5 @@
 //! The HTTP shell: axum handlers, engine calls (reqwest, HTTP/1.1 keep-alive),
 //! SSE relay, health checks. Decisions are made by the pure modules.
-use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,11 +20,11 @@ use tracing::{debug, info, warn};
 use crate::config::{PrefixCheckMode, RouterConfig};
 use crate::decision::{PromptInfo, decide};
 use crate::fingerprint::{Fingerprint, History, HistoryHasher, hash_tokens};
-use crate::metrics::{CauseLabel, EngineLabel, Metrics, ModeLabel, ReasonLabel, RequestLabels};
+use crate::metrics::{EngineLabel, Metrics, ModeLabel, ReasonLabel, RequestLabels};
 use crate::params::{KvParams, no_reuse_prefill_params};
 use crate::registry::{Registry, Role};
 use crate::sse::{ReplySummary, StreamInspector};
-use crate::store::{ConvKey, ConversationStore, Lookup, StoredTurn};
+use crate::store::{ConvKey, Lookup, Store, StoredTurn};
 use crate::thresholds::{ApplyOutcome, ThresholdTable};
 
 /// The router's clock: milliseconds on a monotonic clock. Injected so tests
@@ -78,7 +77,7 @@ pub struct AppState {
     cfg: RouterConfig,
     registry: Registry,
     healthy: Vec<AtomicBool>,
-    store: Mutex<ConversationStore>,
+    store: Arc<Store>,
     thresholds: Mutex<ThresholdTable>,
     /// Metrics.
     pub metrics: Metrics,
@@ -106,6 +105,9 @@ pub enum BuildError {
     /// HTTP client.
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
+    /// Conversation store.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
 }
 
 impl AppState {
@@ -139,10 +141,15 @@ impl AppState {
                 .collect(),
             prefill_idx: registry.with_role(Role::Prefill),
             decode_idx: registry.with_role(Role::Decode),
-            store: Mutex::new(ConversationStore::new(
-                NonZeroUsize::new(cfg.store_capacity).expect("validated"),
-                cfg.store_ttl_ms(),
-            )),
+            store: Arc::new(Store::from_config(
+                &cfg,
+                registry
+                    .engines()
+                    .iter()
+                    .map(|e| e.engine_id.clone())
+                    .collect(),
+                &metrics,
+            )?),
             thresholds: Mutex::new(ThresholdTable::new(cfg.kv_recompute_threshold)),
             metrics,
             http,
@@ -200,7 +207,7 @@ impl AppState {
 
     /// Stored conversations.
     pub fn store_len(&self) -> usize {
-        self.store.lock().unwrap().len()
+        self.store.len_or_zero()
     }
 
     fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {
@@ -215,18 +222,7 @@ impl AppState {
 
     /// Drop expired store entries now.
     pub fn sweep(&self) {
-        let now = self.now_ms();
-        let (n, len) = {
-            let mut s = self.store.lock().unwrap();
-            (s.sweep_expired(now), s.len())
-        };
-        if n > 0 {
-            self.metrics
-                .evictions
-                .get_or_create(&CauseLabel { cause: "expired" })
-                .inc_by(n);
-        }
-        self.metrics.store_entries.set(len as i64);
+        self.store.sweep_now(self.now_ms());
     }
 
     /// Check every engine's `/health` once.
@@ -527,12 +523,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     let key = conversation_id.as_deref().map(|c| ConvKey::new(&tenant, c));
     let now = s.now_ms();
     let lookup = match &key {
-        Some(k) => {
-            let mut st = s.store.lock().unwrap();
-            let l = st.take(k, now);
-            s.metrics.store_entries.set(st.len() as i64);
-            l
-        }
+        Some(k) => s.store.take_or_missing(k, now).await,
         None => Lookup::Missing,
     };
     let decision = {
@@ -869,18 +860,7 @@ impl StoreCtx {
             fingerprint: fp,
             expires_at_ms: 0,
         };
-        let now = s.now_ms();
-        let (ev, len) = {
-            let mut st = s.store.lock().unwrap();
-            (st.insert(self.key, turn, now), st.len())
-        };
-        if ev.lru > 0 {
-            s.metrics
-                .evictions
-                .get_or_create(&CauseLabel { cause: "lru" })
-                .inc_by(ev.lru);
-        }
-        s.metrics.store_entries.set(len as i64);
+        s.store.insert_detached(self.key, turn, s.now_ms());
     }
 }
 
@@ -979,6 +959,7 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
         "prefix_check": s.prefix_check_in_force().as_str(),
         "prefix_check_configured": s.cfg.prefix_check.as_str(),
         "store_entries": s.store_len(),
+        "store": s.store.health_json(),
         "kv_recompute_threshold": s.cfg.kv_recompute_threshold,
         "engines": engines,
     });
@@ -1000,7 +981,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
         )],
-        s.metrics.encode(),
+        s.store.splice_metrics(s.metrics.encode()),
     )
         .into_response()
 }

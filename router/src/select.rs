@@ -1,0 +1,1 @@
+//! P/D selection by predicted TTFT (issue 13 item 2). Pure: placeholder.
