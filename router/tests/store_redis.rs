@@ -287,7 +287,7 @@ async fn wait_status(c: &Cluster, want: &str) {
 
 /// One turn extending `m`; returns the next turn's messages.
 async fn turn_of(c: &Cluster, conv: &str, m: &[Value], n: usize) -> Vec<Value> {
-    let (st, a) = c.chat(None, conv, m, n % 2 == 0, json!({})).await;
+    let (st, a) = c.chat(None, conv, m, n.is_multiple_of(2), json!({})).await;
     assert_eq!(st, 200, "turn {n}: {a}");
     let mut next = m.to_vec();
     next.push(assistant(&a));

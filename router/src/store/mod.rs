@@ -197,7 +197,7 @@ pub trait ConversationStore: Send + Sync {
     fn sweep(&self, now_ms: u64) -> Vec<Dropped>;
 
     /// Entries stored (memory); `None` where unknown (Redis, shared).
-    fn len(&self) -> Option<usize>;
+    fn entries(&self) -> Option<usize>;
 
     /// Reachability.
     fn health(&self) -> StoreHealth;
@@ -228,7 +228,7 @@ impl ConversationStore for MemoryBackend {
     fn sweep(&self, now_ms: u64) -> Vec<Dropped> {
         self.0.lock().drain_expired(now_ms)
     }
-    fn len(&self) -> Option<usize> {
+    fn entries(&self) -> Option<usize> {
         Some(self.0.lock().len())
     }
     fn health(&self) -> StoreHealth {
@@ -391,7 +391,7 @@ impl Store {
     }
 
     fn publish_len(&self) {
-        if let Some(n) = self.len() {
+        if let Some(n) = self.entries() {
             self.metrics.entries.set(n as i64);
         }
     }
@@ -445,7 +445,7 @@ impl Store {
 
     /// Entries stored, 0 where unknown (Redis).
     pub fn len_or_zero(&self) -> usize {
-        self.len().unwrap_or(0)
+        self.entries().unwrap_or(0)
     }
 
     /// The `store` object of `/health`: `{"backend", "status": "ok" |
@@ -486,10 +486,10 @@ impl ConversationStore for Store {
             Backend::Redis(r) => r.sweep(now_ms),
         }
     }
-    fn len(&self) -> Option<usize> {
+    fn entries(&self) -> Option<usize> {
         match &self.backend {
-            Backend::Memory(m) => m.len(),
-            Backend::Redis(r) => r.len(),
+            Backend::Memory(m) => m.entries(),
+            Backend::Redis(r) => r.entries(),
         }
     }
     fn health(&self) -> StoreHealth {

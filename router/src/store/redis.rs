@@ -287,7 +287,7 @@ impl ConversationStore for RedisStore {
         Vec::new()
     }
 
-    fn len(&self) -> Option<usize> {
+    fn entries(&self) -> Option<usize> {
         None
     }
 

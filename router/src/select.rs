@@ -1,1 +1,0 @@
-//! P/D selection by predicted TTFT (issue 13 item 2). Pure: placeholder.
