@@ -209,7 +209,7 @@ impl RedisStore {
         op: &'static str,
         cmd: ::redis::Cmd,
     ) -> Result<T, StoreError> {
-        let (i, g, mut conn) = self.conn()?;
+        let (i, g, mut conn) = self.conn().inspect_err(|_| self.inner.metrics.error(op))?;
         match tokio::time::timeout(self.inner.opts.timeout, cmd.query_async::<T>(&mut conn)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
