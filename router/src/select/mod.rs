@@ -42,6 +42,7 @@
 //! (`begin_prefill(p, prompt − reused)`) and for the decode stream, and call
 //! `record_prefill` with P's measured time.
 pub mod load;
+pub mod route;
 
 use std::fmt::Write as _;
 
