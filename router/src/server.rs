@@ -17,7 +17,7 @@ use kvloop_router_api::{THRESHOLDS_PATH, TOKENS_HEADER, ThresholdUpdate};
 use serde_json::{Map, Value, json};
 use tracing::{debug, info, warn};
 
-use crate::config::{PrefixCheckMode, RouterConfig};
+use crate::config::{Policy, PrefixCheckMode, RouterConfig};
 use crate::decision::{PromptInfo, decide};
 use crate::fingerprint::{Fingerprint, History, HistoryHasher, hash_tokens};
 use crate::metrics::{EngineLabel, Metrics, ModeLabel, ReasonLabel, RequestLabels};
@@ -85,6 +85,7 @@ pub struct AppState {
     clock: Box<dyn Clock>,
     rr_prefill: AtomicUsize,
     rr_decode: AtomicUsize,
+    load: Arc<crate::select::load::LoadBook>,
     tokenize_ok: AtomicBool,
     /// After a failed `/tokenize`, no new attempt before this time (ms).
     tokenize_retry_at_ms: AtomicU64,
@@ -156,6 +157,7 @@ impl AppState {
             clock,
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
+            load: crate::select::load::LoadBook::new(registry.engines().len()),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),
             request_seq: AtomicU64::new(0),
@@ -477,11 +479,10 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
     let p_idx = s
         .pick(&s.prefill_idx, &s.rr_prefill)
         .ok_or_else(|| unavailable("prefill"))?;
-    let d_idx = s
+    let mut d_idx = s
         .pick(&s.decode_idx, &s.rr_decode)
         .ok_or_else(|| unavailable("decode"))?;
     let mut p = s.registry.get(p_idx).expect("index");
-    let d = s.registry.get(d_idx).expect("index");
     let request_id = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -532,8 +533,35 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
             tokens: facts.tokens.as_deref(),
             history,
         };
-        decide(lookup, &info, &p.engine_id, &s.registry, &th, now)
+        if s.cfg.policy == Policy::PredictedTtft {
+            let rr = s.rr_prefill.fetch_add(1, Ordering::Relaxed) as u64;
+            let healthy = |i: u16| s.healthy[i as usize].load(Ordering::Relaxed);
+            let pl = crate::select::route::place_with_load(
+                s.cfg.policy,
+                lookup,
+                &info,
+                &s.registry,
+                &th,
+                &s.prefill_idx,
+                &s.decode_idx,
+                healthy,
+                &s.load,
+                rr,
+                now,
+            )
+            .map_err(|e| unavailable(e.role))?;
+            debug!(%request_id, selection = %pl.selection.explain(|i| s.registry.get(i).map_or(String::new(), |e| e.engine_id.clone())), "selection");
+            (p, d_idx) = (
+                s.registry.get(pl.selection.prefill).expect("index"),
+                pl.selection.decode,
+            );
+            pl.decision
+        } else {
+            decide(lookup, &info, &p.engine_id, &s.registry, &th, now)
+        }
     };
+    let d = s.registry.get(d_idx).expect("index");
+    let _decode_load = s.load.begin_decode(d_idx);
     s.metrics
         .decisions
         .get_or_create(&ReasonLabel {
@@ -581,6 +609,10 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
             .unwrap_or_else(no_reuse_prefill_params),
     );
     let n_prompt = facts.tokens.as_ref().map(Vec::len);
+    let _prefill_load = s.load.begin_prefill(
+        s.registry.index_of(&p.engine_id).unwrap_or(u16::MAX),
+        (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
+    );
     let mut p_resp = send_prefill(
         s,
         &p.http_url,
@@ -714,6 +746,7 @@ async fn route_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, raw: Byte
             inspect: ctx.is_some(),
             inspector: StreamInspector::default(),
             ctx,
+            _decode_load,
             t0,
             first: true,
             state: s.clone(),
@@ -871,6 +904,7 @@ struct Relay {
     inspect: bool,
     inspector: StreamInspector,
     ctx: Option<StoreCtx>,
+    _decode_load: crate::select::load::DecodeGuard,
     t0: Instant,
     first: bool,
     state: Arc<AppState>,

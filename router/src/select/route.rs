@@ -91,6 +91,51 @@ pub fn place(
     })
 }
 
+/// [`place`] with the router's own views: health by `healthy(index)`,
+/// outstanding prefill tokens and in-flight decode streams from `load`, P's
+/// compute cost from the pushed models (the measured EWMA is left out: the
+/// router's end-to-end prefill times include P's queue, which `queue(P)`
+/// already counts).
+///
+/// # Errors
+/// [`super::NoHealthy`] when no prefill or no decode engine is healthy.
+#[allow(clippy::too_many_arguments)]
+pub fn place_with_load(
+    policy: Policy,
+    lookup: Lookup,
+    prompt: &PromptInfo<'_>,
+    registry: &Registry,
+    thresholds: &ThresholdTable,
+    prefill_idx: &[u16],
+    decode_idx: &[u16],
+    healthy: impl Fn(u16) -> bool,
+    load: &super::load::LoadBook,
+    rr: u64,
+    now_ms: u64,
+) -> Result<Placement, super::NoHealthy> {
+    let pv: Vec<PrefillView> = prefill_idx
+        .iter()
+        .map(|&index| PrefillView {
+            index,
+            healthy: healthy(index),
+            outstanding_tokens: load.outstanding_prefill_tokens(index),
+            measured_ms_per_token: None,
+        })
+        .collect();
+    let dv: Vec<DecodeView> = decode_idx
+        .iter()
+        .map(|&index| DecodeView {
+            index,
+            healthy: healthy(index),
+            inflight_streams: load.inflight_decode_streams(index),
+            free_kv_blocks: None,
+        })
+        .collect();
+    place(
+        policy, lookup, prompt, registry, thresholds, &pv, &dv, rr, now_ms,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
