@@ -33,14 +33,17 @@
 //! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
 //! times of the chosen and the runner-up option ([`Selection::explain`]).
 //!
-//! Integration (server): the request path today picks P and D before the
-//! store take and the prefix check (`server.rs` `pick`). For
-//! `predicted_ttft`, the order becomes: tokenize (on any healthy P), take the
-//! stored turn, run the prefix check to get `reusable_tokens` and the
-//! previous D, then [`select`], then attach D's params only when
-//! `Selection::pull`. Hold a [`load::LoadBook`] guard for the prefill
-//! (`begin_prefill(p, prompt − reused)`) and for the decode stream, and call
-//! `record_prefill` with P's measured time.
+//! Integration (server, `route_inner`): under `predicted_ttft` the router
+//! still picks a P round robin first (for `/tokenize`), takes the stored
+//! turn, then calls [`route::place_with_load`], which runs the prefix check
+//! once, selects P, D and pull-vs-recompute, and returns the reuse decision
+//! for the chosen P (D's params attached only when pulling). The request
+//! holds [`load::LoadBook`] guards: the prefill's computed tokens
+//! (`prompt − reused`) on P until P answers, one decode stream on D until the
+//! relay ends. The selection is logged at debug level
+//! ([`Selection::explain`]). Not yet: a metric of selections by reason,
+//! `kvloop explain` output, and free KV blocks reported by engines
+//! (`DecodeView::free_kv_blocks` is `None` on the request path).
 pub mod load;
 pub mod route;
 
