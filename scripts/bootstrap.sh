@@ -29,7 +29,7 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 
-APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config iproute2 llvm-22-dev libcap2-bin unzip python3-pip prometheus)
+APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config iproute2 llvm-22-dev libcap2-bin unzip python3-pip prometheus redis-server)
 NIXL_VERSION=1.5.1
 NIXL_DIR="${KVLOOP_NIXL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvloop/nixl-cu12-$NIXL_VERSION}"
 BPF_LINKER_VERSION=0.13.0
