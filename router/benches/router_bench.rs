@@ -20,7 +20,7 @@ use kvloop_engine_sim::{Role as SimRole, SimConfig};
 use kvloop_router::fingerprint::Fingerprint;
 use kvloop_router::params::{KvParams, no_reuse_prefill_params};
 use kvloop_router::registry::{EngineConfig, Role};
-use kvloop_router::store::{ConvKey, ConversationStore, Lookup, StoredTurn};
+use kvloop_router::store::{ConvKey, Lookup, MemoryStore, StoredTurn};
 use kvloop_router::{MonotonicClock, RouterConfig};
 use serde_json::{Value, json};
 
@@ -402,7 +402,7 @@ fn store_bench() {
         .collect();
     let sample_json = serde_json::to_string(&d_params(0)).unwrap().len();
     let before = ALLOCATED.load(Ordering::Relaxed);
-    let mut store = ConversationStore::new(NonZeroUsize::new(n as usize).unwrap(), 450_000);
+    let mut store = MemoryStore::new(NonZeroUsize::new(n as usize).unwrap(), 450_000);
     let t_fill = Instant::now();
     let mut insert_ns = Vec::with_capacity(100_000);
     for i in 0..n {

@@ -165,6 +165,7 @@ pub async fn health(State(s): State<Arc<AppState>>) -> Response {
         "prefix_check": s.prefix_check_in_force().as_str(),
         "prefix_check_configured": s.cfg.prefix_check.as_str(),
         "store_entries": s.store_len(),
+        "store": s.store.health_json(),
         "kv_recompute_threshold": s.cfg.kv_recompute_threshold,
         "warnings": warnings,
         "engines": engines,
@@ -185,7 +186,7 @@ pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
         )],
-        s.metrics.encode(),
+        s.store.splice_metrics(s.metrics.encode()),
     )
         .into_response()
 }

@@ -5,6 +5,8 @@
 //! listen = "127.0.0.1:8000"          # client-facing address
 //! admin_token = "s3cret"             # bearer token for PUT /admin/thresholds ("" = endpoint disabled)
 //! kv_recompute_threshold = 64        # static threshold, tokens (vLLM default)
+//! store = "memory"                   # or "redis://127.0.0.1:6379/0" (shared by replicas)
+//! policy = "round_robin"             # or "predicted_ttft"
 //!
 //! [[engines]]
 //! engine_id = "p0"
@@ -50,6 +52,38 @@ impl PrefixCheckMode {
     }
 }
 
+/// The conversation store backend named by [`RouterConfig::store`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreBackend<'a> {
+    /// In this process (`"memory"`).
+    Memory,
+    /// Redis at this URL (`redis://`, `rediss://`, `unix://`, `redis+unix://`).
+    Redis(&'a str),
+}
+
+/// How P and D are chosen for a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Round robin over healthy engines, pull-vs-recompute by the threshold
+    /// rule (vLLM's proxy behaviour).
+    RoundRobin,
+    /// Lowest predicted TTFT over healthy prefill engines, pull-vs-recompute
+    /// jointly, D by load (`crate::select`); falls back to round robin and the
+    /// threshold rule where no valid cost model exists.
+    PredictedTtft,
+}
+
+impl Policy {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::PredictedTtft => "predicted_ttft",
+        }
+    }
+}
+
 /// Router configuration (TOML). Defaults in brackets.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -88,6 +122,24 @@ pub struct RouterConfig {
     pub decode_timeout_ms: u64,
     /// Maximum request body, bytes [67108864].
     pub max_body_bytes: usize,
+    /// Conversation store: `"memory"` or a Redis URL such as
+    /// `redis://127.0.0.1:6379/0` [`memory`].
+    pub store: String,
+    /// Redis connections (multiplexed, used round robin) [4].
+    pub store_pool_size: usize,
+    /// Timeout of one Redis command, ms; past it the turn recomputes [100].
+    pub store_timeout_ms: u64,
+    /// Timeout of one Redis connection attempt, ms [1000].
+    pub store_connect_timeout_ms: u64,
+    /// First reconnection back-off, ms (doubles, with jitter) [50].
+    pub store_reconnect_min_ms: u64,
+    /// Largest reconnection back-off, ms [5000].
+    pub store_reconnect_max_ms: u64,
+    /// Prefix of the router's Redis keys (replicas sharing conversations use
+    /// the same one) [`kvloop`].
+    pub store_key_prefix: String,
+    /// P/D selection policy [`round_robin`].
+    pub policy: Policy,
     /// Registered engines [none].
     pub engines: Vec<EngineConfig>,
 }
@@ -111,6 +163,14 @@ impl Default for RouterConfig {
             prefill_timeout_ms: 600_000,
             decode_timeout_ms: 600_000,
             max_body_bytes: 64 << 20,
+            store: "memory".into(),
+            store_pool_size: 4,
+            store_timeout_ms: 100,
+            store_connect_timeout_ms: 1_000,
+            store_reconnect_min_ms: 50,
+            store_reconnect_max_ms: 5_000,
+            store_key_prefix: "kvloop".into(),
+            policy: Policy::RoundRobin,
             engines: Vec::new(),
         }
     }
@@ -160,6 +220,50 @@ impl RouterConfig {
                 message: "expected a positive integer",
             });
         }
+        if let StoreBackend::Redis(url) = self.store_backend() {
+            if ::redis::Client::open(url).is_err() {
+                return Err(ConfigError::Invalid {
+                    field: "store",
+                    message: "expected \"memory\" or a valid Redis URL (redis://host:port/db)",
+                });
+            }
+        } else if self.store != "memory" {
+            return Err(ConfigError::Invalid {
+                field: "store",
+                message: "expected \"memory\" or a Redis URL (redis://, rediss://, unix://)",
+            });
+        }
+        for (field, v) in [
+            ("store_pool_size", self.store_pool_size as u64),
+            ("store_timeout_ms", self.store_timeout_ms),
+            ("store_connect_timeout_ms", self.store_connect_timeout_ms),
+            ("store_reconnect_min_ms", self.store_reconnect_min_ms),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: "expected a positive integer",
+                });
+            }
+        }
+        if self.store_pool_size > 256 {
+            return Err(ConfigError::Invalid {
+                field: "store_pool_size",
+                message: "expected at most 256 connections",
+            });
+        }
+        if self.store_reconnect_max_ms < self.store_reconnect_min_ms {
+            return Err(ConfigError::Invalid {
+                field: "store_reconnect_max_ms",
+                message: "expected at least store_reconnect_min_ms",
+            });
+        }
+        if self.store_key_prefix.is_empty() {
+            return Err(ConfigError::Invalid {
+                field: "store_key_prefix",
+                message: "expected a non-empty prefix",
+            });
+        }
         if self.tenant_header.is_empty() {
             return Err(ConfigError::Invalid {
                 field: "tenant_header",
@@ -167,6 +271,17 @@ impl RouterConfig {
             });
         }
         Ok(())
+    }
+
+    /// The store backend [`RouterConfig::store`] names (`Memory` also for an
+    /// invalid value, which [`RouterConfig::validate`] rejects).
+    pub fn store_backend(&self) -> StoreBackend<'_> {
+        const SCHEMES: [&str; 4] = ["redis://", "rediss://", "unix://", "redis+unix://"];
+        if SCHEMES.iter().any(|p| self.store.starts_with(p)) {
+            StoreBackend::Redis(&self.store)
+        } else {
+            StoreBackend::Memory
+        }
     }
 
     /// TTL of stored conversation entries, ms.
@@ -196,5 +311,33 @@ mod tests {
         assert_eq!(c.engines[0].tp_size, 1);
         let e = RouterConfig::from_toml("kv_recompute_treshold = 3").unwrap_err();
         assert!(e.to_string().contains("kv_recompute_treshold"), "{e}");
+    }
+
+    #[test]
+    fn store_and_policy_options() {
+        let c = RouterConfig::default();
+        assert_eq!(c.store_backend(), StoreBackend::Memory);
+        assert_eq!(c.policy, Policy::RoundRobin);
+        let c = RouterConfig::from_toml(
+            "store = \"redis://127.0.0.1:6390/2\"\nstore_pool_size = 2\npolicy = \"predicted_ttft\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.store_backend(),
+            StoreBackend::Redis("redis://127.0.0.1:6390/2")
+        );
+        assert_eq!(c.policy, Policy::PredictedTtft);
+        for (toml, field) in [
+            ("store = \"memcached://x\"", "store"),
+            ("store = \"redis://[bad\"", "store"),
+            ("store_pool_size = 0", "store_pool_size"),
+            ("store_timeout_ms = 0", "store_timeout_ms"),
+            ("store_reconnect_max_ms = 1", "store_reconnect_max_ms"),
+            ("store_key_prefix = \"\"", "store_key_prefix"),
+            ("policy = \"fastest\"", "policy"),
+        ] {
+            let e = RouterConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(field), "{toml}: {e}");
+        }
     }
 }

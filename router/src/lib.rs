@@ -9,7 +9,7 @@
 //!
 //! Layout: the decision logic is pure and unit-tested ([`params`],
 //! [`fingerprint`], [`store`], [`thresholds`], [`decision`], [`sse`],
-//! [`request`], [`alarms`], [`registry`], [`config`]); the shell is
+//! [`request`], [`alarms`], [`registry`], [`config`], [`select`]); the shell is
 //! [`server`] (state, app, one request's walk), [`upstream`] (engine calls
 //! and their error), [`relay`] (D's stream to the client, storing turns),
 //! [`admin`] (the router's own endpoints), [`error`] and [`clock`].
@@ -28,6 +28,7 @@ pub mod prefill;
 pub mod registry;
 pub mod relay;
 pub mod request;
+pub mod select;
 pub mod server;
 pub mod sse;
 pub mod store;

@@ -108,7 +108,8 @@ pub fn compact(p: &KvTransferParams) -> CompactParams {
 
 /// Stored form of D's params: block id runs plus the other keys as JSON text.
 /// Layout of `runs`: `[n_groups, (n_runs, (start, len) × n_runs) × n_groups]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Serde form (for a shared store): `{"runs": [u32...], "flat": bool, "rest": "<json>"}`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CompactParams {
     runs: Box<[u32]>,
     flat: bool,
@@ -119,6 +120,31 @@ impl CompactParams {
     /// Heap bytes owned by this value (for the store's memory accounting).
     pub fn heap_bytes(&self) -> usize {
         self.runs.len() * 4 + self.rest.len()
+    }
+
+    /// True when `runs` follows the layout above, expands to at most `max_ids`
+    /// block ids, and `rest` is a JSON object: checked on values read back
+    /// from a shared store, which [`CompactParams::expand_json`] would otherwise
+    /// index out of bounds.
+    pub fn well_formed(&self, max_ids: u64) -> bool {
+        let Some((&n_groups, mut tail)) = self.runs.split_first() else {
+            return false;
+        };
+        let mut total = 0u64;
+        for _ in 0..n_groups {
+            let Some((&n, r)) = tail.split_first() else {
+                return false;
+            };
+            let Some(pairs) = r.get(..2 * n as usize) else {
+                return false;
+            };
+            total += pairs.chunks(2).map(|p| u64::from(p[1])).sum::<u64>();
+            tail = &r[2 * n as usize..];
+        }
+        tail.is_empty()
+            && total <= max_ids
+            && (!self.flat || n_groups == 1)
+            && RawObject::parse(&self.rest).is_ok()
     }
 
     /// Rebuild the full object as JSON text, with `remote_engine_id`,

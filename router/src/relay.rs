@@ -20,6 +20,7 @@ use crate::fingerprint::{Fingerprint, HistoryHasher};
 use crate::metrics::{EngineLabel, ReasonLabel};
 use crate::params::KvParams;
 use crate::request::{Api, tokenize_text_body};
+use crate::select::load::DecodeGuard;
 use crate::server::AppState;
 use crate::sse::{ReplySummary, StreamRewriter};
 use crate::store::{ConvKey, StoredTurn};
@@ -192,18 +193,21 @@ pub struct Relay {
     pub t0: Instant,
     /// The router.
     pub state: Arc<AppState>,
+    /// Counts this stream on D (`policy = "predicted_ttft"`) until dropped.
+    _decode_load: DecodeGuard,
     first: bool,
     ended: bool,
     finishing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl Relay {
-    /// A relay of D's `body`.
+    /// A relay of D's `body`; `decode_load` counts the stream on D.
     pub fn new(
         body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
         ctx: Option<StoreCtx>,
         t0: Instant,
         state: Arc<AppState>,
+        decode_load: DecodeGuard,
     ) -> Self {
         Self {
             inner: body,
@@ -211,6 +215,7 @@ impl Relay {
             ctx,
             t0,
             state,
+            _decode_load: decode_load,
             first: true,
             ended: false,
             finishing: None,

@@ -4,7 +4,6 @@
 //! and the storing of turns in [`crate::relay`], the router's own endpoints
 //! in [`crate::admin`]. Decisions are made by the pure modules.
 use std::collections::HashSet;
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -24,19 +23,20 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker};
 use crate::clock::Clock;
-use crate::config::{PrefixCheckMode, RouterConfig};
+use crate::config::{Policy, PrefixCheckMode, RouterConfig};
 use crate::decision::{PromptInfo, decide};
 use crate::error::RouteError;
 use crate::fingerprint::{History, HistoryHasher, hash_tokens};
 use crate::metrics::{
-    CauseLabel, EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, ReasonLabel, RequestLabels,
+    EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, ReasonLabel, RequestLabels,
 };
 use crate::prefill::{params_for_decode, prefill};
 use crate::registry::{Registry, Role};
 use crate::relay::{Relay, StoreCtx};
 use crate::request::{Api, decode_body, parse_request, tokenize_body};
+use crate::select::load::LoadBook;
 use crate::sse::rewrite_body;
-use crate::store::{ConvKey, ConversationStore, Lookup, StoredTurn};
+use crate::store::{ConvKey, Lookup, Store, StoredTurn};
 use crate::thresholds::ThresholdTable;
 use crate::upstream::{Failure, Stage, Upstream, UpstreamError};
 
@@ -45,9 +45,10 @@ pub struct AppState {
     pub(crate) cfg: RouterConfig,
     pub(crate) registry: Registry,
     pub(crate) healthy: Vec<AtomicBool>,
-    store: Mutex<ConversationStore>,
+    pub(crate) store: Arc<Store>,
     /// Expiry times of stored keys (hash of the key → ms), so a turn whose
-    /// entry the sweeper already dropped is counted `expired`, not `no_entry`.
+    /// entry the sweeper (or Redis' own TTL) already dropped is counted
+    /// `expired`, not `no_entry`.
     expiries: Mutex<LruCache<u64, u64>>,
     pub(crate) thresholds: Mutex<ThresholdTable>,
     /// Metrics.
@@ -56,6 +57,9 @@ pub struct AppState {
     clock: Box<dyn Clock>,
     pub(crate) rr_prefill: AtomicUsize,
     rr_decode: AtomicUsize,
+    /// Outstanding prefill tokens and in-flight decode streams per engine
+    /// (`policy = "predicted_ttft"`).
+    pub(crate) load: Arc<LoadBook>,
     tokenize_ok: AtomicBool,
     /// After a failed `/tokenize`, no new attempt before this time (ms).
     tokenize_retry_at_ms: AtomicU64,
@@ -80,6 +84,9 @@ pub enum BuildError {
     /// HTTP client.
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
+    /// Conversation store.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
 }
 
 /// Back-off after a failed `/tokenize` (the history check is used meanwhile), ms.
@@ -112,7 +119,16 @@ impl AppState {
                 })
                 .set(1);
         }
-        let capacity = NonZeroUsize::new(cfg.store_capacity).expect("validated");
+        let capacity = std::num::NonZeroUsize::new(cfg.store_capacity).expect("validated");
+        let store = Store::from_config(
+            &cfg,
+            registry
+                .engines()
+                .iter()
+                .map(|e| e.engine_id.clone())
+                .collect(),
+            &metrics,
+        )?;
         let state = AppState {
             healthy: registry
                 .engines()
@@ -121,7 +137,7 @@ impl AppState {
                 .collect(),
             prefill_idx: registry.with_role(Role::Prefill),
             decode_idx: registry.with_role(Role::Decode),
-            store: Mutex::new(ConversationStore::new(capacity, cfg.store_ttl_ms())),
+            store: Arc::new(store),
             expiries: Mutex::new(LruCache::new(capacity)),
             thresholds: Mutex::new(ThresholdTable::new(cfg.kv_recompute_threshold)),
             metrics,
@@ -129,6 +145,7 @@ impl AppState {
             clock,
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
+            load: LoadBook::new(registry.engines().len()),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),
             request_seq: AtomicU64::new(0),
@@ -183,7 +200,7 @@ impl AppState {
 
     /// Stored conversations.
     pub fn store_len(&self) -> usize {
-        self.store.lock().len()
+        self.store.len_or_zero()
     }
 
     pub(crate) fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {
@@ -198,50 +215,29 @@ impl AppState {
 
     /// Drop expired store entries now.
     pub fn sweep(&self) {
-        let now = self.now_ms();
-        let (n, len) = {
-            let mut s = self.store.lock();
-            (s.sweep_expired(now), s.len())
-        };
-        if n > 0 {
-            self.metrics
-                .evictions
-                .get_or_create(&CauseLabel { cause: "expired" })
-                .inc_by(n);
-        }
-        self.metrics.store_entries.set(len as i64);
+        self.store.sweep_now(self.now_ms());
     }
 
     /// Take (single use) the stored turn of `key` at `now`. An entry the
     /// sweeper already dropped at its TTL is still reported `Expired`.
-    fn take_turn(&self, key: &ConvKey, now: u64) -> Lookup {
+    /// The store updates `store_entries` and its error counts itself.
+    async fn take_turn(&self, key: &ConvKey, now: u64) -> Lookup {
         let expiry = self.expiries.lock().pop(&key_hash(key));
-        let mut st = self.store.lock();
-        let l = match st.take(key, now) {
+        match self.store.take_or_missing(key, now).await {
             Lookup::Missing if expiry.is_some_and(|t| t <= now) => Lookup::Expired,
             l => l,
-        };
-        self.metrics.store_entries.set(st.len() as i64);
-        l
+        }
     }
 
     /// Store a finished turn.
+    /// The store counts its evictions and updates `store_entries` itself.
     pub(crate) fn store_turn(&self, key: ConvKey, turn: StoredTurn) {
         let now = self.now_ms();
         let h = key_hash(&key);
-        let (ev, len, ttl) = {
-            let mut st = self.store.lock();
-            let ttl = st.ttl_ms();
-            (st.insert(key, turn, now), st.len(), ttl)
-        };
-        self.expiries.lock().put(h, now.saturating_add(ttl));
-        if ev.lru > 0 {
-            self.metrics
-                .evictions
-                .get_or_create(&CauseLabel { cause: "lru" })
-                .inc_by(ev.lru);
-        }
-        self.metrics.store_entries.set(len as i64);
+        self.store.insert_detached(key, turn, now);
+        self.expiries
+            .lock()
+            .put(h, now.saturating_add(self.cfg.store_ttl_ms()));
     }
 
     pub(crate) fn engine_id(&self, i: u16) -> String {
@@ -485,7 +481,7 @@ async fn route_inner(
     let p_idx = s
         .pick(&s.prefill_idx, &s.rr_prefill)
         .ok_or(RouteError::Unavailable("prefill"))?;
-    let d_idx = s
+    let mut d_idx = s
         .pick(&s.decode_idx, &s.rr_decode)
         .ok_or(RouteError::Unavailable("decode"))?;
     let request_id = req.request_id.clone().unwrap_or_else(|| {
@@ -521,18 +517,44 @@ async fn route_inner(
         .map(|c| ConvKey::new(&req.tenant, c));
     let now = s.now_ms();
     let lookup = match &key {
-        Some(k) => s.take_turn(k, now),
+        Some(k) => s.take_turn(k, now).await,
         None => Lookup::Missing,
     };
-    let p_engine_id = s.engine_id(p_idx);
+    // The P whose `/tokenize` counted the prompt (also counts the reply).
+    let tokenize_idx = p_idx;
+    let mut p_idx = p_idx;
     let decision = {
         let th = s.thresholds.lock();
         let info = PromptInfo {
             tokens: tokens.as_deref(),
             history,
         };
-        decide(lookup, &info, &p_engine_id, &s.registry, &th, now)
+        if s.cfg.policy == Policy::PredictedTtft {
+            let rr = s.rr_prefill.fetch_add(1, Ordering::Relaxed) as u64;
+            let healthy = |i: u16| s.healthy[i as usize].load(Ordering::Relaxed);
+            let pl = crate::select::route::place_with_load(
+                s.cfg.policy,
+                lookup,
+                &info,
+                &s.registry,
+                &th,
+                &s.prefill_idx,
+                &s.decode_idx,
+                healthy,
+                &s.load,
+                rr,
+                now,
+            )
+            .map_err(|e| RouteError::Unavailable(e.role))?;
+            debug!(%request_id, selection = %pl.selection.explain(|i| s.engine_id(i)), "selection");
+            (p_idx, d_idx) = (pl.selection.prefill, pl.selection.decode);
+            pl.decision
+        } else {
+            decide(lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now)
+        }
     };
+    let p_engine_id = s.engine_id(p_idx);
+    let decode_load = s.load.begin_decode(d_idx);
     s.metrics
         .decisions
         .get_or_create(&ReasonLabel {
@@ -553,7 +575,7 @@ async fn route_inner(
             state: s.clone(),
             key,
             decode_engine: d_idx,
-            prefill_engine: p_idx,
+            prefill_engine: tokenize_idx,
             tokens: tokens.as_ref().map(|t| (t.len() as u32, hash_tokens(t))),
             history: (!matches!(history, History::None)).then_some(hist),
             api,
@@ -563,16 +585,14 @@ async fn route_inner(
         }
     });
 
-    let (p_idx, p_reply) = prefill(
-        s,
-        &req,
+    let n_prompt = tokens.as_ref().map(Vec::len);
+    let _prefill_load = s.load.begin_prefill(
         p_idx,
-        &decision,
-        tokens.as_ref().map(Vec::len),
-        &request_id,
-    )
-    .await
-    .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
+        (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
+    );
+    let (p_idx, p_reply) = prefill(s, &req, p_idx, &decision, n_prompt, &request_id)
+        .await
+        .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
     let d_params = params_for_decode(s, p_idx, p_reply)?;
 
     // Decode request: the client's body with P's params. Never resent to another D.
@@ -597,7 +617,13 @@ async fn route_inner(
         builder = builder.header(header::CONTENT_TYPE, ct.clone());
     }
     if req.stream {
-        let relay = Relay::new(Box::pin(d_resp.bytes_stream()), ctx, t0, s.clone());
+        let relay = Relay::new(
+            Box::pin(d_resp.bytes_stream()),
+            ctx,
+            t0,
+            s.clone(),
+            decode_load,
+        );
         return Ok(builder
             .body(Body::from_stream(relay))
             .expect("valid response"));

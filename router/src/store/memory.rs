@@ -1,84 +1,27 @@
-//! Conversation store (PROTOCOL.md Router rule 1). Pure: time is passed in as
-//! milliseconds on the router's own monotonic clock.
+//! In-memory conversation store (the default; PROTOCOL.md Router rule 1).
+//! Pure: time is passed in as milliseconds on the router's own monotonic clock.
 //!
 //! One entry per (tenant, `conversation_id`): D's last params of that
 //! conversation, the fingerprint of what its blocks cover, and an expiry at
 //! insert time + TTL (the TTL is `decoder_kv_blocks_ttl − safety margin`).
-//! Entries are single use: [`ConversationStore::take`] removes them. Memory is
+//! Entries are single use: [`MemoryStore::take`] removes them. Memory is
 //! bounded by a capacity with LRU eviction. Since an entry is never read
 //! without being removed, LRU order is insertion order, which (with one TTL
-//! for all) is also expiry order, so [`ConversationStore::sweep_expired`] only
+//! for all) is also expiry order, so [`MemoryStore::sweep_expired`] only
 //! looks at the oldest end.
 use std::num::NonZeroUsize;
 
 use lru::LruCache;
 
-use crate::fingerprint::Fingerprint;
-use crate::params::CompactParams;
+use super::{ConvKey, DropCause, Dropped, Evictions, Lookup, StoredTurn};
 
-/// Key of a conversation: tenant and the client's `conversation_id`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ConvKey {
-    tenant: Box<str>,
-    conversation_id: Box<str>,
-}
-
-impl ConvKey {
-    /// Key for `tenant` / `conversation_id`.
-    pub fn new(tenant: &str, conversation_id: &str) -> Self {
-        Self {
-            tenant: tenant.into(),
-            conversation_id: conversation_id.into(),
-        }
-    }
-    /// Heap bytes owned.
-    pub fn heap_bytes(&self) -> usize {
-        self.tenant.len() + self.conversation_id.len()
-    }
-}
-
-/// D's params of a finished turn and what they cover.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredTurn {
-    /// D's params, compact.
-    pub params: CompactParams,
-    /// Index of D in the engine registry.
-    pub decode_engine: u16,
-    /// `remote_num_tokens` of D's params (prompt + generated − 1).
-    pub remote_num_tokens: u32,
-    /// What the blocks cover.
-    pub fingerprint: Fingerprint,
-    /// Expiry on the router's clock, ms.
-    pub expires_at_ms: u64,
-}
-
-/// Result of [`ConversationStore::take`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Lookup {
-    /// Nothing stored.
-    Missing,
-    /// An entry was stored but its TTL has passed (it is removed).
-    Expired,
-    /// A live entry, now removed from the store (single use).
-    Found(StoredTurn),
-}
-
-/// Why entries left the store other than by `take`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Evictions {
-    /// Evicted by the capacity bound.
-    pub lru: u64,
-    /// Dropped at TTL.
-    pub expired: u64,
-}
-
-/// The bounded, single-use conversation store.
-pub struct ConversationStore {
+/// The bounded, single-use, in-process conversation store.
+pub struct MemoryStore {
     map: LruCache<ConvKey, StoredTurn>,
     ttl_ms: u64,
 }
 
-impl ConversationStore {
+impl MemoryStore {
     /// A store holding at most `capacity` entries, each live for `ttl_ms`.
     pub fn new(capacity: NonZeroUsize, ttl_ms: u64) -> Self {
         Self {
@@ -103,14 +46,23 @@ impl ConversationStore {
     }
 
     /// Store (overwriting) a turn at `now_ms`; its expiry is set to
-    /// `now_ms + ttl_ms`. Returns the evictions this caused.
+    /// `now_ms + ttl_ms`. Returns the evictions this caused, with the turns
+    /// dropped (an overwritten turn of the same key, an LRU victim).
     pub fn insert(&mut self, key: ConvKey, mut turn: StoredTurn, now_ms: u64) -> Evictions {
         let mut ev = Evictions::default();
         turn.expires_at_ms = now_ms.saturating_add(self.ttl_ms);
-        if let Some((old_key, _)) = self.map.push(key.clone(), turn)
-            && old_key != key
-        {
-            ev.lru += 1;
+        if let Some((old_key, old)) = self.map.push(key.clone(), turn) {
+            let cause = if old_key == key {
+                DropCause::Replaced
+            } else {
+                ev.lru += 1;
+                DropCause::Lru
+            };
+            ev.dropped.push(Dropped {
+                key: old_key,
+                turn: old,
+                cause,
+            });
         }
         ev
     }
@@ -126,21 +78,31 @@ impl ConversationStore {
 
     /// Drop entries whose TTL has passed; returns how many.
     pub fn sweep_expired(&mut self, now_ms: u64) -> u64 {
-        let mut n = 0;
+        self.drain_expired(now_ms).len() as u64
+    }
+
+    /// Drop entries whose TTL has passed and return them, oldest first.
+    pub fn drain_expired(&mut self, now_ms: u64) -> Vec<Dropped> {
+        let mut out = Vec::new();
         while let Some((_, t)) = self.map.peek_lru() {
             if t.expires_at_ms > now_ms {
                 break;
             }
-            self.map.pop_lru();
-            n += 1;
+            let (key, turn) = self.map.pop_lru().expect("peeked");
+            out.push(Dropped {
+                key,
+                turn,
+                cause: DropCause::Expired,
+            });
         }
-        n
+        out
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fingerprint::Fingerprint;
     use crate::params::KvParams;
     use serde_json::json;
 
@@ -158,7 +120,7 @@ mod tests {
 
     #[test]
     fn single_use() {
-        let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
+        let mut s = MemoryStore::new(NonZeroUsize::new(4).unwrap(), 1000);
         let k = ConvKey::new("t", "c");
         s.insert(k.clone(), turn(), 0);
         assert!(matches!(s.take(&k, 1), Lookup::Found(_)));
@@ -167,7 +129,7 @@ mod tests {
 
     #[test]
     fn expires_by_injected_clock() {
-        let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
+        let mut s = MemoryStore::new(NonZeroUsize::new(4).unwrap(), 1000);
         let k = ConvKey::new("t", "c");
         s.insert(k.clone(), turn(), 5);
         assert_eq!(s.take(&k, 1005), Lookup::Expired);
@@ -180,7 +142,7 @@ mod tests {
 
     #[test]
     fn tenants_are_isolated() {
-        let mut s = ConversationStore::new(NonZeroUsize::new(4).unwrap(), 1000);
+        let mut s = MemoryStore::new(NonZeroUsize::new(4).unwrap(), 1000);
         s.insert(ConvKey::new("a", "c"), turn(), 0);
         assert_eq!(s.take(&ConvKey::new("b", "c"), 1), Lookup::Missing);
         assert!(matches!(
@@ -191,12 +153,41 @@ mod tests {
 
     #[test]
     fn lru_bound_counts_evictions_but_not_overwrites() {
-        let mut s = ConversationStore::new(NonZeroUsize::new(2).unwrap(), 1000);
+        let mut s = MemoryStore::new(NonZeroUsize::new(2).unwrap(), 1000);
         assert_eq!(s.insert(ConvKey::new("t", "1"), turn(), 0).lru, 0);
         assert_eq!(s.insert(ConvKey::new("t", "2"), turn(), 0).lru, 0);
         assert_eq!(s.insert(ConvKey::new("t", "2"), turn(), 0).lru, 0);
         assert_eq!(s.insert(ConvKey::new("t", "3"), turn(), 0).lru, 1);
         assert_eq!(s.take(&ConvKey::new("t", "1"), 1), Lookup::Missing);
         assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn reports_what_it_drops() {
+        let mut s = MemoryStore::new(NonZeroUsize::new(2).unwrap(), 1000);
+        assert!(
+            s.insert(ConvKey::new("t", "1"), turn(), 0)
+                .dropped
+                .is_empty()
+        );
+        let ev = s.insert(ConvKey::new("t", "1"), turn(), 1);
+        assert_eq!(ev.dropped.len(), 1);
+        assert_eq!(ev.dropped[0].cause, DropCause::Replaced);
+        assert_eq!(ev.dropped[0].key, ConvKey::new("t", "1"));
+        s.insert(ConvKey::new("t", "2"), turn(), 2);
+        let ev = s.insert(ConvKey::new("t", "3"), turn(), 3);
+        assert_eq!(
+            ev.dropped
+                .iter()
+                .map(|d| (&d.key, d.cause))
+                .collect::<Vec<_>>(),
+            vec![(&ConvKey::new("t", "1"), DropCause::Lru)]
+        );
+        let gone = s.drain_expired(1002);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(
+            (&gone[0].key, gone[0].cause),
+            (&ConvKey::new("t", "2"), DropCause::Expired)
+        );
     }
 }

@@ -1,0 +1,338 @@
+//! P/D selection (issue 13 item 2). Pure, sans-IO: the caller passes the
+//! engines' health and load, the turn's reusable tokens, and the per-pair
+//! thresholds and cost models in force ([`crate::thresholds::Effective`]);
+//! time enters only through those (their validity is the caller's `now`).
+//!
+//! Two policies (`policy` in the config, [`crate::config::Policy`]):
+//! - `round_robin`: P and D round robin over healthy engines, pull when the
+//!   pair's threshold rule says so ([`Effective::should_pull`]); what vLLM's
+//!   multi-turn proxy does with the fixed threshold.
+//! - `predicted_ttft`: for each healthy prefill engine P and each way to get
+//!   the reusable prefix (pull it from the previous D, or recompute it),
+//!   predicted TTFT =
+//!   `queue(P) + reuse + suffix`, where
+//!   - `queue(P)` = outstanding prefill tokens on P × P's ms per token (the
+//!     router's measured EWMA, [`load::LoadBook`], else the model's
+//!     `prefill_ms_per_token`);
+//!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
+//!     (P, previous D) model; recompute: `r · (a + b · r/2)`;
+//!   - `suffix` = the `s` new tokens after the `r` reused ones:
+//!     `s · (a + b · (r + s/2))`;
+//!
+//!   with `a = prefill_ms_per_token`, `b = prefill_ms_per_token_ctx` of P's
+//!   model (`kvloop_router_api::CostModelCoefficients`). The option with the
+//!   lowest prediction wins; ties go to the shorter queue, then round-robin
+//!   order. D is chosen by load: not full (`free_kv_blocks` 0 where
+//!   reported), fewest in-flight decode streams, most free KV blocks, then
+//!   round-robin order. Where a healthy P has no valid model (none pushed,
+//!   lapsed, or confidence below [`MIN_MODEL_CONFIDENCE`]), or a pull is
+//!   possible and the (P, previous D) model is missing, predictions cannot be
+//!   compared: the turn falls back to round robin and the threshold rule
+//!   (reason `fallback_no_model`).
+//!
+//! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
+//! times of the chosen and the runner-up option ([`Selection::explain`]).
+//!
+//! Integration (server, `route_inner`): under `predicted_ttft` the router
+//! still picks a P round robin first (for `/tokenize`), takes the stored
+//! turn, then calls [`route::place_with_load`], which runs the prefix check
+//! once, selects P, D and pull-vs-recompute, and returns the reuse decision
+//! for the chosen P (D's params attached only when pulling). The request
+//! holds [`load::LoadBook`] guards: the prefill's computed tokens
+//! (`prompt − reused`) on P until P answers, one decode stream on D until the
+//! relay ends. The selection is logged at debug level
+//! ([`Selection::explain`]). Not yet: a metric of selections by reason,
+//! `kvloop explain` output, and free KV blocks reported by engines
+//! (`DecodeView::free_kv_blocks` is `None` on the request path).
+pub mod load;
+pub mod route;
+
+use std::fmt::Write as _;
+
+use crate::thresholds::{Effective, MIN_MODEL_CONFIDENCE};
+use kvloop_router_api::CostModelCoefficients;
+
+pub use crate::config::Policy;
+
+/// A prefill engine as the selection sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillView {
+    /// Registry index.
+    pub index: u16,
+    /// Passes health checks.
+    pub healthy: bool,
+    /// Prefill tokens sent to it and not yet answered (router's own count).
+    pub outstanding_tokens: u64,
+    /// Measured cost, ms per computed token (`None`: no sample yet).
+    pub measured_ms_per_token: Option<f64>,
+}
+
+/// A decode engine as the selection sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeView {
+    /// Registry index.
+    pub index: u16,
+    /// Passes health checks.
+    pub healthy: bool,
+    /// Decode streams in flight (router's own count).
+    pub inflight_streams: u32,
+    /// Free KV blocks, where the engine reports them.
+    pub free_kv_blocks: Option<u64>,
+}
+
+/// The turn to place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnView {
+    /// Prompt tokens of this turn.
+    pub prompt_tokens: u64,
+    /// Tokens of it that the previous turn's D holds (the prefix check
+    /// passed); 0 when nothing can be reused.
+    pub reusable_tokens: u64,
+    /// Registry index of that D (`None` when nothing can be reused).
+    pub prev_decode: Option<u16>,
+}
+
+/// Why P, D and pull-vs-recompute were chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectReason {
+    /// Policy `round_robin`.
+    RoundRobin,
+    /// Lowest predicted TTFT, pulling the prefix.
+    PredictedPull,
+    /// Lowest predicted TTFT, recomputing (or nothing to reuse).
+    PredictedRecompute,
+    /// Policy `predicted_ttft` without the models to predict: round robin
+    /// and the threshold rule.
+    FallbackNoModel,
+}
+
+impl SelectReason {
+    /// Every reason (metrics pre-registration).
+    pub const ALL: [SelectReason; 4] = [
+        SelectReason::RoundRobin,
+        SelectReason::PredictedPull,
+        SelectReason::PredictedRecompute,
+        SelectReason::FallbackNoModel,
+    ];
+
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SelectReason::RoundRobin => "round_robin",
+            SelectReason::PredictedPull => "predicted_pull",
+            SelectReason::PredictedRecompute => "predicted_recompute",
+            SelectReason::FallbackNoModel => "fallback_no_model",
+        }
+    }
+}
+
+/// One predicted option.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    /// Prefill engine (registry index).
+    pub prefill: u16,
+    /// Pull the reusable prefix (else recompute it).
+    pub pull: bool,
+    /// Predicted TTFT, ms (`queue_ms + reuse_ms + suffix_ms`).
+    pub ttft_ms: f64,
+    /// Waiting behind P's outstanding prefills, ms.
+    pub queue_ms: f64,
+    /// Pulling or recomputing the reusable prefix, ms.
+    pub reuse_ms: f64,
+    /// Computing the new suffix, ms.
+    pub suffix_ms: f64,
+}
+
+/// The outcome for one turn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Selection {
+    /// Prefill engine (registry index).
+    pub prefill: u16,
+    /// Decode engine (registry index).
+    pub decode: u16,
+    /// Attach the previous D's params (pull) rather than recompute.
+    pub pull: bool,
+    /// Why.
+    pub reason: SelectReason,
+    /// The chosen option's prediction (predicted reasons only).
+    pub chosen: Option<Prediction>,
+    /// The best option not chosen (predicted reasons, ≥ 2 options).
+    pub runner_up: Option<Prediction>,
+}
+
+impl Selection {
+    /// One line for logs and `kvloop explain`; `name` maps a registry index
+    /// to its engine id.
+    pub fn explain(&self, name: impl Fn(u16) -> String) -> String {
+        let mut s = format!(
+            "reason={} prefill={} decode={} action={}",
+            self.reason.as_str(),
+            name(self.prefill),
+            name(self.decode),
+            if self.pull { "pull" } else { "recompute" }
+        );
+        for (label, p) in [("chosen", self.chosen), ("runner_up", self.runner_up)] {
+            if let Some(p) = p {
+                let _ = write!(
+                    s,
+                    " {label}=({} {} ttft={:.3}ms queue={:.3} reuse={:.3} suffix={:.3})",
+                    name(p.prefill),
+                    if p.pull { "pull" } else { "recompute" },
+                    p.ttft_ms,
+                    p.queue_ms,
+                    p.reuse_ms,
+                    p.suffix_ms
+                );
+            }
+        }
+        s
+    }
+}
+
+/// No healthy engine of a role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("no healthy {role} engine")]
+pub struct NoHealthy {
+    /// `prefill` or `decode`.
+    pub role: &'static str,
+}
+
+/// First healthy engine in round-robin order from `rr`.
+fn round_robin<T>(v: &[T], rr: u64, healthy: impl Fn(&T) -> bool) -> Option<&T> {
+    let n = v.len();
+    (0..n)
+        .map(|k| &v[((rr as usize) % n.max(1) + k) % n])
+        .find(|e| healthy(e))
+}
+
+/// Position of `e` in round-robin order from `rr` (tie-breaker).
+fn rr_rank(pos: usize, n: usize, rr: u64) -> usize {
+    (pos + n - (rr as usize) % n) % n
+}
+
+fn valid(m: &Option<CostModelCoefficients>) -> Option<&CostModelCoefficients> {
+    m.as_ref().filter(|m| m.confidence >= MIN_MODEL_CONFIDENCE)
+}
+
+/// D by load (see the module docs).
+fn pick_decode(decode: &[DecodeView], rr: u64) -> Option<u16> {
+    let n = decode.len();
+    decode
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.healthy)
+        .min_by_key(|(i, d)| {
+            (
+                d.free_kv_blocks == Some(0),
+                d.inflight_streams,
+                std::cmp::Reverse(d.free_kv_blocks.unwrap_or(0)),
+                rr_rank(*i, n, rr),
+            )
+        })
+        .map(|(_, d)| d.index)
+}
+
+/// Choose P, D and pull-vs-recompute for one turn.
+///
+/// `pair(p, d)` is the threshold and model in force for that pair (registry
+/// indices; the caller evaluates validity at its `now`). `rr` is the
+/// caller's round-robin counter for this turn.
+///
+/// # Errors
+/// [`NoHealthy`] when no prefill or no decode engine is healthy.
+pub fn select(
+    policy: Policy,
+    prefill: &[PrefillView],
+    decode: &[DecodeView],
+    turn: &TurnView,
+    pair: impl Fn(u16, u16) -> Effective,
+    rr: u64,
+) -> Result<Selection, NoHealthy> {
+    let rr_p = round_robin(prefill, rr, |p| p.healthy)
+        .ok_or(NoHealthy { role: "prefill" })?
+        .index;
+    let rr_d = round_robin(decode, rr, |d| d.healthy)
+        .ok_or(NoHealthy { role: "decode" })?
+        .index;
+    let r = turn.reusable_tokens.min(turn.prompt_tokens);
+    let prev = turn.prev_decode.filter(|_| r > 0);
+    let fallback = |reason| {
+        let pull = prev.is_some_and(|d| pair(rr_p, d).should_pull(r));
+        Selection {
+            prefill: rr_p,
+            decode: rr_d,
+            pull,
+            reason,
+            chosen: None,
+            runner_up: None,
+        }
+    };
+    if policy == Policy::RoundRobin {
+        return Ok(fallback(SelectReason::RoundRobin));
+    }
+    let decode_pick = pick_decode(decode, rr).expect("a healthy decode engine exists");
+    let n_p = prefill.len();
+    let mut options: Vec<(Prediction, usize)> = Vec::new();
+    for (pos, p) in prefill.iter().enumerate().filter(|(_, p)| p.healthy) {
+        // P's compute model: the (P, previous D) pair's, else any pair of P's.
+        let pull_model = prev.and_then(|d| valid(&pair(p.index, d).model).cloned());
+        let compute = pull_model.clone().or_else(|| {
+            decode
+                .iter()
+                .find_map(|d| valid(&pair(p.index, d.index).model).cloned())
+        });
+        let Some(m) = compute else {
+            return Ok(fallback(SelectReason::FallbackNoModel));
+        };
+        if prev.is_some() && pull_model.is_none() {
+            return Ok(fallback(SelectReason::FallbackNoModel));
+        }
+        let (a, b) = (m.prefill_ms_per_token, m.prefill_ms_per_token_ctx);
+        let per_token = p.measured_ms_per_token.unwrap_or(a);
+        let queue_ms = p.outstanding_tokens as f64 * per_token;
+        let rf = r as f64;
+        let s = (turn.prompt_tokens - r) as f64;
+        let suffix_ms = s * (a + b * (rf + s / 2.0));
+        let mut push = |pull: bool, reuse_ms: f64| {
+            options.push((
+                Prediction {
+                    prefill: p.index,
+                    pull,
+                    ttft_ms: queue_ms + reuse_ms + suffix_ms,
+                    queue_ms,
+                    reuse_ms,
+                    suffix_ms,
+                },
+                rr_rank(pos, n_p, rr),
+            ));
+        };
+        push(false, rf * (a + b * rf / 2.0));
+        if let Some(x) = &pull_model {
+            push(true, x.xfer_fixed_ms + rf * x.xfer_ms_per_token);
+        }
+    }
+    options.sort_by(|(x, rx), (y, ry)| {
+        x.ttft_ms
+            .total_cmp(&y.ttft_ms)
+            .then(x.queue_ms.total_cmp(&y.queue_ms))
+            .then(rx.cmp(ry))
+            // equal predictions on one P: recompute (moves no bytes)
+            .then(x.pull.cmp(&y.pull))
+    });
+    let best = options[0].0;
+    Ok(Selection {
+        prefill: best.prefill,
+        decode: decode_pick,
+        pull: best.pull,
+        reason: if best.pull {
+            SelectReason::PredictedPull
+        } else {
+            SelectReason::PredictedRecompute
+        },
+        chosen: Some(best),
+        runner_up: options.get(1).map(|o| o.0),
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,85 @@
+//! `policy = "predicted_ttft"` on the request path, against real engine-sims:
+//! with cost models pushed for both (P, D) pairs, the turn that can reuse
+//! D's blocks is pulled through the prefill engine whose path from D is fast.
+mod common;
+
+use common::*;
+use kvloop_router::config::Policy;
+use kvloop_router_api::{CostModelCoefficients, PairThreshold, ThresholdUpdate};
+use serde_json::json;
+
+fn pair(p: &str, xfer_ms_per_token: f64) -> PairThreshold {
+    PairThreshold {
+        prefill_engine_id: p.into(),
+        decode_engine_id: "d0".into(),
+        threshold_tokens: 64,
+        valid_for_ms: 3_600_000,
+        model: Some(CostModelCoefficients {
+            xfer_fixed_ms: 0.01,
+            xfer_ms_per_token,
+            // the sims compute 1 µs per token
+            prefill_ms_per_token: 0.001,
+            prefill_ms_per_token_ctx: 0.0,
+            confidence: 1.0,
+        }),
+    }
+}
+
+#[tokio::test]
+async fn predicted_ttft_pulls_over_the_fast_path() {
+    let c = Cluster::start(Opts {
+        n_prefill: 2,
+        tweak: |cfg| cfg.policy = Policy::PredictedTtft,
+        ..Opts::default()
+    })
+    .await;
+    let url = format!("{}{}", c.router.url(), kvloop_router_api::THRESHOLDS_PATH);
+    let push = ThresholdUpdate {
+        agent_id: "node-a".into(),
+        seq: 1,
+        // D → p0 slow (0.1 ms per token), D → p1 fast.
+        pairs: vec![pair("p0", 0.1), pair("p1", 0.000_01)],
+    };
+    let r = c
+        .http
+        .put(&url)
+        .bearer_auth(TOKEN)
+        .json(&push)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    // One lone turn first, so that round robin would send every turn 2 to p0.
+    let (st, _) = c.chat(None, "warm", &[user("hi")], false, json!({})).await;
+    assert_eq!(st, 200);
+    for conv in ["conv-a", "conv-b", "conv-c"] {
+        let m1 = vec![user(&words(100, "a"))];
+        let (st, a1) = c.chat(None, conv, &m1, false, json!({})).await;
+        assert_eq!(st, 200, "{a1}");
+        let m2 = vec![m1[0].clone(), assistant(&a1), user(&words(20, "b"))];
+        let (st, _) = c.chat(None, conv, &m2, true, json!({})).await;
+        assert_eq!(st, 200);
+    }
+    assert_eq!(c.metric(PULLED).await, 3.0);
+    assert_eq!(c.p_stats(1).reads_ok, 3, "every pull went through p1");
+    assert_eq!(c.p_stats(0).reads_ok, 0);
+}
+
+#[tokio::test]
+async fn predicted_ttft_without_models_falls_back_to_round_robin_and_threshold() {
+    let c = Cluster::start(Opts {
+        n_prefill: 2,
+        tweak: |cfg| cfg.policy = Policy::PredictedTtft,
+        ..Opts::default()
+    })
+    .await;
+    for conv in ["conv-a", "conv-b"] {
+        let m1 = vec![user(&words(100, "a"))];
+        let (st, a1) = c.chat(None, conv, &m1, false, json!({})).await;
+        assert_eq!(st, 200, "{a1}");
+        let m2 = vec![m1[0].clone(), assistant(&a1), user(&words(20, "b"))];
+        assert_eq!(c.chat(None, conv, &m2, false, json!({})).await.0, 200);
+    }
+    assert_eq!(c.metric(PULLED).await, 2.0, "109 reusable ≥ static 64");
+    assert_eq!(c.p_stats(0).reads_ok + c.p_stats(1).reads_ok, 2);
+}

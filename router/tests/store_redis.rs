@@ -1,0 +1,514 @@
+//! The Redis conversation store against a real `redis-server` (Debian package
+//! `redis-server`, installed by scripts/bootstrap.sh), which each test starts
+//! itself on a free loopback port in a temporary directory without
+//! persistence, and stops by PID. Without `redis-server` these tests FAIL.
+mod common;
+
+use std::cell::RefCell;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvloop_router::RouterConfig;
+use kvloop_router::fingerprint::Fingerprint;
+use kvloop_router::metrics::Metrics;
+use kvloop_router::params::KvParams;
+use kvloop_router::store::{ConvKey, ConversationStore, Lookup, Store, StoredTurn};
+use serde_json::{Value, json};
+
+/// A `redis-server` of this test: loopback, free port, temp dir, no persistence.
+struct Redis {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn redis_bin() -> PathBuf {
+    for d in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = PathBuf::from(d).join("redis-server");
+        if p.is_file() {
+            return p;
+        }
+    }
+    for p in ["/usr/bin/redis-server", "/usr/sbin/redis-server"] {
+        if std::path::Path::new(p).is_file() {
+            return p.into();
+        }
+    }
+    panic!(
+        "redis-server not found: install the Debian package redis-server (scripts/bootstrap.sh)"
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+static SEQ: AtomicUsize = AtomicUsize::new(0);
+
+impl Redis {
+    fn start() -> Redis {
+        let dir = std::env::temp_dir().join(format!(
+            "kvloop-cl-redis-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = Redis {
+            child: None,
+            port: free_port(),
+            dir,
+        };
+        r.restart();
+        r
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// (Re)start on the same port; waits until it answers PING (≤ 10 s).
+    fn restart(&mut self) {
+        assert!(self.child.is_none());
+        let child = Command::new(redis_bin())
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("redis-server starts");
+        self.child = Some(child);
+        let t0 = Instant::now();
+        loop {
+            if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) {
+                use std::io::Write;
+                let mut s = s;
+                s.set_read_timeout(Some(Duration::from_millis(500)))
+                    .unwrap();
+                if s.write_all(b"PING\r\n").is_ok() {
+                    let mut line = String::new();
+                    if BufReader::new(&s).read_line(&mut line).is_ok() && line.starts_with("+PONG")
+                    {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "redis-server did not answer PING on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL by PID and reap.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn store_cfg(url: &str, ttl_ms: u64) -> RouterConfig {
+    RouterConfig {
+        store: url.into(),
+        decoder_kv_blocks_ttl_ms: ttl_ms + 1_000,
+        ttl_safety_margin_ms: 1_000,
+        store_reconnect_min_ms: 20,
+        store_reconnect_max_ms: 200,
+        ..RouterConfig::default()
+    }
+}
+
+/// A replica's store (its own pool and metrics) on `url`, connected.
+async fn replica(url: &str, ttl_ms: u64) -> Arc<Store> {
+    let s = Arc::new(
+        Store::from_config(
+            &store_cfg(url, ttl_ms),
+            vec!["p0".into(), "d0".into()],
+            &Metrics::new(),
+        )
+        .unwrap(),
+    );
+    wait_until(|| s.health().up, "store connects").await;
+    s
+}
+
+async fn wait_until(mut f: impl FnMut() -> bool, what: &str) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(15), "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn turn(i: u32) -> StoredTurn {
+    let p = KvParams::parse(
+        &json!({"remote_engine_id": "d0", "remote_request_id": format!("r{i}"),
+        "remote_block_ids": [[1, 2, 3, i]], "remote_port": 1}),
+    )
+    .unwrap();
+    StoredTurn {
+        params: p.compact(),
+        decode_engine: 1,
+        remote_num_tokens: 100 + i,
+        fingerprint: Fingerprint {
+            tokens_len: i,
+            tokens_hash: u64::MAX - u64::from(i),
+            history_len: 2,
+            history_hash: 7,
+        },
+        expires_at_ms: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs redis-server"]
+async fn two_replicas_race_and_exactly_one_takes() {
+    let redis = Redis::start();
+    let (a, b) = (
+        replica(&redis.url(), 60_000).await,
+        replica(&redis.url(), 60_000).await,
+    );
+    for round in 0..200u32 {
+        let key = ConvKey::new("t", &format!("race-{round}"));
+        a.insert(key.clone(), turn(round), 0).await.unwrap();
+        let barrier = Arc::new(tokio::sync::Barrier::new(6));
+        let tasks: Vec<_> = (0..6)
+            .map(|k| {
+                let s = if k % 2 == 0 { a.clone() } else { b.clone() };
+                let (key, barrier) = (key.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    s.take(&key, 1).await.unwrap()
+                })
+            })
+            .collect();
+        let mut found = Vec::new();
+        for t in tasks {
+            if let Lookup::Found(t) = t.await.unwrap() {
+                found.push(t);
+            }
+        }
+        assert_eq!(
+            found.len(),
+            1,
+            "round {round}: exactly one replica takes it"
+        );
+        let mut want = turn(round);
+        want.expires_at_ms = 1;
+        assert_eq!(found[0], want, "bit-exact params and fingerprint");
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs redis-server"]
+async fn entries_expire_by_redis_ttl() {
+    let redis = Redis::start();
+    let s = replica(&redis.url(), 300).await;
+    let k = ConvKey::new("t", "ttl");
+    s.insert(k.clone(), turn(1), 0).await.unwrap();
+    assert!(matches!(s.take(&k, 0).await.unwrap(), Lookup::Found(_)));
+    s.insert(k.clone(), turn(2), 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(s.take(&k, 0).await.unwrap(), Lookup::Missing, "expired");
+    // An overwrite reports the turn it replaced (issue 15's release hook).
+    s.insert(k.clone(), turn(3), 0).await.unwrap();
+    let ev = s.insert(k.clone(), turn(4), 0).await.unwrap();
+    assert_eq!(ev.dropped.len(), 1);
+    assert_eq!(ev.dropped[0].turn.remote_num_tokens, 103);
+}
+
+#[tokio::test]
+#[ignore = "needs redis-server"]
+async fn tenants_are_isolated_in_redis() {
+    let redis = Redis::start();
+    let s = replica(&redis.url(), 60_000).await;
+    s.insert(ConvKey::new("a", "c"), turn(1), 0).await.unwrap();
+    s.insert(ConvKey::new("a:c", "x"), turn(2), 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.take(&ConvKey::new("b", "c"), 0).await.unwrap(),
+        Lookup::Missing
+    );
+    assert_eq!(
+        s.take(&ConvKey::new("a", "c:x"), 0).await.unwrap(),
+        Lookup::Missing
+    );
+    assert!(
+        matches!(s.take(&ConvKey::new("a", "c"), 0).await.unwrap(), Lookup::Found(t) if t.remote_num_tokens == 101)
+    );
+    assert!(
+        matches!(s.take(&ConvKey::new("a:c", "x"), 0).await.unwrap(), Lookup::Found(t) if t.remote_num_tokens == 102)
+    );
+}
+
+thread_local! {
+    static STORE_URL: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+async fn store_status(c: &Cluster) -> String {
+    c.get_json("/health").await["store"]["status"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+async fn wait_status(c: &Cluster, want: &str) {
+    let t0 = Instant::now();
+    while store_status(c).await != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "store status never {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One turn extending `m`; returns the next turn's messages.
+async fn turn_of(c: &Cluster, conv: &str, m: &[Value], n: usize) -> Vec<Value> {
+    let (st, a) = c.chat(None, conv, m, n.is_multiple_of(2), json!({})).await;
+    assert_eq!(st, 200, "turn {n}: {a}");
+    let mut next = m.to_vec();
+    next.push(assistant(&a));
+    next.push(user(&words(20, &format!("u{n}x"))));
+    next
+}
+
+#[tokio::test]
+#[ignore = "needs redis-server"]
+async fn router_keeps_serving_through_a_redis_outage_and_recovers() {
+    let mut redis = Redis::start();
+    STORE_URL.with(|u| *u.borrow_mut() = redis.url());
+    let c = Cluster::start(Opts {
+        tweak: |cfg| {
+            cfg.store = STORE_URL.with(|u| u.borrow().clone());
+            cfg.store_timeout_ms = 200;
+            cfg.store_reconnect_min_ms = 20;
+            cfg.store_reconnect_max_ms = 200;
+        },
+        ..Opts::default()
+    })
+    .await;
+    wait_status(&c, "ok").await;
+    let h = c.get_json("/health").await;
+    assert_eq!(h["store"]["backend"], "redis");
+    let m = turn_of(&c, "conv-o", &[user(&words(100, "a"))], 1).await;
+    let m = turn_of(&c, "conv-o", &m, 2).await;
+    assert_eq!(c.metric(PULLED).await, 1.0, "turn 2 pulled through Redis");
+    assert_eq!(c.metric("kvloop_router_store_up").await, 1.0);
+
+    redis.kill();
+    // Keeps serving: turns recompute, nothing fails.
+    let m = turn_of(&c, "conv-o", &m, 3).await;
+    let m = turn_of(&c, "conv-o", &m, 4).await;
+    assert_eq!(c.metric(PULLED).await, 1.0);
+    wait_status(&c, "degraded").await;
+    let h = c.get_json("/health").await;
+    assert_eq!(h["status"], "ok", "engines fine: the router still serves");
+    assert!(h["store"]["last_error"].is_string(), "{h}");
+    assert_eq!(c.metric("kvloop_router_store_up").await, 0.0);
+    assert!(
+        c.metric("kvloop_router_store_errors_total{op=\"take\"}")
+            .await
+            >= 1.0
+    );
+
+    redis.restart();
+    wait_status(&c, "ok").await;
+    assert_eq!(c.metric("kvloop_router_store_up").await, 1.0);
+    assert!(c.metric("kvloop_router_store_reconnects_total").await >= 1.0);
+    let m = turn_of(&c, "conv-o", &m, 5).await; // Redis came back empty: stores again
+    turn_of(&c, "conv-o", &m, 6).await;
+    assert_eq!(c.metric(PULLED).await, 2.0, "reuse is back");
+}
+
+// ---- two router processes sharing one Redis ----
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Start a binary and read its `READY key=value ...` line.
+fn spawn_ready(bin: &PathBuf, args: &[&str]) -> (Proc, Vec<(String, String)>) {
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+    let out = child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).unwrap();
+    assert!(line.starts_with("READY"), "{}: {line:?}", bin.display());
+    let kv = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect();
+    (Proc(child), kv)
+}
+
+fn kv<'a>(kv: &'a [(String, String)], k: &str) -> &'a str {
+    &kv.iter().find(|(a, _)| a == k).unwrap().1
+}
+
+fn engine_sim_bin() -> PathBuf {
+    let bin =
+        PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router")).with_file_name("kvloop-engine-sim");
+    assert!(
+        bin.exists(),
+        "{} missing: build it first (cargo build -p kvloop-engine-sim)",
+        bin.display()
+    );
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server"]
+async fn second_replica_pulls_the_turn_the_first_stored() {
+    let redis = Redis::start();
+    let sim = engine_sim_bin();
+    let eng = |role: &str, id: &str| {
+        spawn_ready(
+            &sim,
+            &[
+                "--role",
+                role,
+                "--engine-id",
+                id,
+                "--prefill-us-per-token",
+                "1",
+            ],
+        )
+    };
+    let (_p, pkv) = eng("prefill", "p0");
+    let (_d, dkv) = eng("decode", "d0");
+    let side = |k: &[(String, String)]| {
+        let (h, p) = kv(k, "side_channel").rsplit_once(':').unwrap();
+        (h.to_string(), p.to_string())
+    };
+    let ((ph, pp), (dh, dp)) = (side(&pkv), side(&dkv));
+    let cfg = format!(
+        r#"listen = "127.0.0.1:0"
+store = "{}"
+store_reconnect_min_ms = 20
+
+[[engines]]
+engine_id = "p0"
+role = "prefill"
+http_url = "http://{}"
+side_channel_host = "{ph}"
+side_channel_port = {pp}
+
+[[engines]]
+engine_id = "d0"
+role = "decode"
+http_url = "http://{}"
+side_channel_host = "{dh}"
+side_channel_port = {dp}
+"#,
+        redis.url(),
+        kv(&pkv, "http"),
+        kv(&dkv, "http")
+    );
+    let path = redis.dir.join("router.toml");
+    std::fs::write(&path, cfg).unwrap();
+    let router = PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
+    let (_a, akv) = spawn_ready(&router, &["--config", path.to_str().unwrap()]);
+    let (_b, bkv) = spawn_ready(&router, &["--config", path.to_str().unwrap()]);
+    let (a, b) = (
+        format!("http://{}", kv(&akv, "http")),
+        format!("http://{}", kv(&bkv, "http")),
+    );
+    let http = reqwest::Client::new();
+    for base in [&a, &b] {
+        let t0 = Instant::now();
+        loop {
+            let h: Value = http
+                .get(format!("{base}/health"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if h["store"]["status"] == "ok" {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "{base}: store never ok: {h}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let mut messages = vec![user(&words(200, "w"))];
+    for (turn, base) in [&a, &b, &a, &b].into_iter().enumerate() {
+        let body = json!({"model": "sim-model", "messages": messages, "stream": turn % 2 == 1,
+                          "max_tokens": 12, "conversation_id": "conv-2r"});
+        let (st, answer) = post(
+            &http,
+            &format!("{base}/v1/chat/completions"),
+            None,
+            &body,
+            turn % 2 == 1,
+        )
+        .await;
+        assert_eq!(st, 200, "turn {turn}: {answer}");
+        messages.push(assistant(&answer));
+        messages.push(user(&words(30, &format!("t{turn}x"))));
+    }
+    assert_eq!(
+        metric(&http, &a, NO_ENTRY).await,
+        1.0,
+        "turn 1 on A: nothing stored yet"
+    );
+    assert_eq!(
+        metric(&http, &b, PULLED).await,
+        2.0,
+        "turns 2 and 4 on B pull what A stored"
+    );
+    assert_eq!(
+        metric(&http, &a, PULLED).await,
+        1.0,
+        "turn 3 on A pulls what B stored"
+    );
+    let stats: Value = http
+        .get(format!("http://{}/sim/stats", kv(&pkv, "http")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stats["reads_ok"], 3);
+}
