@@ -188,7 +188,7 @@ impl CompactParams {
     }
 }
 
-/// The "no reuse" prefill shape (PROTOCOL.md "Router → P, no reuse").
+/// The "no reuse" prefill shape (docs/protocol.md "Router → P, no reuse").
 pub fn no_reuse_prefill_params() -> Value {
     serde_json::json!({
         "do_remote_decode": true,

@@ -1,4 +1,4 @@
-//! In-memory conversation store (the default; PROTOCOL.md Router rule 1).
+//! In-memory conversation store (the default; docs/protocol.md Router rule 1).
 //! Pure: time is passed in as milliseconds on the router's own monotonic clock.
 //!
 //! One entry per (tenant, `conversation_id`): D's last params of that

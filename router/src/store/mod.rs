@@ -1,4 +1,4 @@
-//! Conversation store (PROTOCOL.md Router rule 1): D's params of each
+//! Conversation store (docs/protocol.md Router rule 1): D's params of each
 //! conversation's last finished turn, single use, kept for a TTL.
 //!
 //! One trait, [`ConversationStore`], two backends:
