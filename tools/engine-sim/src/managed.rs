@@ -39,7 +39,8 @@ use kvloop_agent_api::reconnect::{Backoff, ReconnectError, connect_with_backoff}
 use kvloop_dataplane::{HostRegion, KvLayout};
 use tracing::{info, warn};
 
-use crate::transfer::{KvTransfer, ReadFuture, ReadRequest, TransferError, host_port};
+pub use crate::transfer::resolve_side_channel;
+use crate::transfer::{KvTransfer, ReadFuture, ReadRequest, TransferError};
 
 /// Locks a std mutex, tolerating poison (the data are plain sets and lists).
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -534,32 +535,6 @@ pub async fn run_events(
         }
         link.mark_reregistered();
         info!(engine = %engine_id, side_channel = %st.side_channel, "registered again with the node agent");
-    }
-}
-
-/// The owner's side channel from the params' `remote_host` and
-/// `remote_port`: `remote_host` is a host name or an IP literal (IPv6 with or
-/// without brackets), the same contract as the router's registry; a name is
-/// resolved here (the first address).
-///
-/// # Errors
-/// [`TransferError::Declined`] naming `remote_host` when it neither parses
-/// nor resolves.
-pub async fn resolve_side_channel(host: &str, port: u16) -> Result<SocketAddr, TransferError> {
-    let hp = host_port(host, port);
-    if let Ok(a) = hp.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    let declined = |why: String| {
-        TransferError::Declined(format!(
-            "remote_host `{host}`: expected a host name or IP literal of the owner's side channel ({why})"
-        ))
-    };
-    match tokio::net::lookup_host(&hp).await {
-        Ok(mut addrs) => addrs
-            .next()
-            .ok_or_else(|| declined("the name has no address".into())),
-        Err(e) => Err(declined(format!("resolving `{hp}`: {e}"))),
     }
 }
 

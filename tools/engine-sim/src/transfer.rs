@@ -3,6 +3,7 @@
 //! transfer, and the client end of the emitter's HTTP side channel
 //! (`POST /kv/read`, served by [`crate::side_channel`]).
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -184,6 +185,32 @@ pub(crate) async fn claim_on_side_channel(
 pub(crate) async fn sleep_us(us: u64) {
     if us > 0 {
         tokio::time::sleep(Duration::from_micros(us)).await;
+    }
+}
+
+/// The owner's side channel from the params' `remote_host` and
+/// `remote_port`: `remote_host` is a host name or an IP literal (IPv6 with or
+/// without brackets), the same contract as the router's registry; a name is
+/// resolved here (the first address).
+///
+/// # Errors
+/// [`TransferError::Declined`] naming `remote_host` when it neither parses
+/// nor resolves.
+pub async fn resolve_side_channel(host: &str, port: u16) -> Result<SocketAddr, TransferError> {
+    let hp = host_port(host, port);
+    if let Ok(a) = hp.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let declined = |why: String| {
+        TransferError::Declined(format!(
+            "remote_host `{host}`: expected a host name or IP literal of the owner's side channel ({why})"
+        ))
+    };
+    match tokio::net::lookup_host(&hp).await {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| declined("the name has no address".into())),
+        Err(e) => Err(declined(format!("resolving `{hp}`: {e}"))),
     }
 }
 
