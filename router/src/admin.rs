@@ -186,7 +186,7 @@ pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
         )],
-        s.store.splice_metrics(s.metrics.encode()),
+        s.metrics.encode(),
     )
         .into_response()
 }

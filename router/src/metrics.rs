@@ -98,6 +98,19 @@ pub struct Metrics {
     /// `kvloop_router_decode_params_missing_total{decode_engine_id}`: storable
     /// decode answers of a conversation that carried no `kv_transfer_params`.
     pub decode_params_missing: Family<EngineLabel, Counter>,
+    /// `kvloop_router_store_up`: the conversation store reachable (1) or not (0).
+    pub store_up: Gauge,
+    /// `kvloop_router_store_errors_total{op}`: store operations that failed.
+    pub store_errors: Family<OpLabel, Counter>,
+    /// `kvloop_router_store_reconnects_total`.
+    pub store_reconnects: Counter,
+}
+
+/// `op` of a store error.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabel {
+    /// `take`, `insert`, `decode` or `connect`.
+    pub op: &'static str,
 }
 
 impl Default for Metrics {
@@ -204,8 +217,33 @@ impl Metrics {
             "Decode answers that should have carried kv_transfer_params and did not",
             decode_params_missing.clone(),
         );
+        let store_up = Gauge::default();
+        store_up.set(1);
+        registry.register(
+            "store_up",
+            "Conversation store reachable (1) or not (0)",
+            store_up.clone(),
+        );
+        let store_errors = Family::<OpLabel, Counter>::default();
+        for op in ["take", "insert", "decode", "connect"] {
+            let _ = store_errors.get_or_create(&OpLabel { op });
+        }
+        registry.register(
+            "store_errors",
+            "Conversation store operations that failed",
+            store_errors.clone(),
+        );
+        let store_reconnects = Counter::default();
+        registry.register(
+            "store_reconnects",
+            "Reconnections to the conversation store",
+            store_reconnects.clone(),
+        );
         Self {
             registry,
+            store_up,
+            store_errors,
+            store_reconnects,
             pulls,
             pull_alarm,
             decode_params_missing,

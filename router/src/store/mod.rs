@@ -30,7 +30,6 @@ use std::future::Future;
 use std::num::NonZeroUsize;
 
 use parking_lot::Mutex;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -38,7 +37,7 @@ use serde_json::{Value, json};
 
 use crate::config::{RouterConfig, StoreBackend};
 use crate::fingerprint::Fingerprint;
-use crate::metrics::{CauseLabel, Metrics};
+use crate::metrics::{CauseLabel, Metrics, OpLabel};
 use crate::params::CompactParams;
 
 pub use memory::MemoryStore;
@@ -241,19 +240,11 @@ impl ConversationStore for MemoryBackend {
     }
 }
 
-/// `op` of a store error.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OpLabel {
-    /// `take`, `insert`, `decode` or `connect`.
-    pub op: &'static str,
-}
-
-/// Store metrics: the router's `store_entries` and `store_evictions` (shared
-/// with [`Metrics`]) plus the store's own, under `kvloop_router_store_`:
-/// `up` (1 reachable), `errors_total{op}`, `reconnects_total`.
+/// The store's series, clones of [`Metrics`]' (one registry, one
+/// `/metrics`): `store_entries`, `store_evictions_total{cause}`,
+/// `store_up`, `store_errors_total{op}`, `store_reconnects_total`.
 #[derive(Clone)]
 pub struct StoreMetrics {
-    registry: std::sync::Arc<prometheus_client::registry::Registry>,
     /// `kvloop_router_store_up`.
     pub up: Gauge,
     /// `kvloop_router_store_errors_total{op}`.
@@ -265,37 +256,12 @@ pub struct StoreMetrics {
 }
 
 impl StoreMetrics {
-    /// Register the store's own series; share `m`'s store series.
+    /// The store's series of `m`.
     pub fn new(m: &Metrics) -> Self {
-        let mut registry =
-            prometheus_client::registry::Registry::with_prefix("kvloop_router_store");
-        let up = Gauge::default();
-        up.set(1);
-        registry.register(
-            "up",
-            "Conversation store reachable (1) or not (0)",
-            up.clone(),
-        );
-        let errors = Family::<OpLabel, Counter>::default();
-        for op in ["take", "insert", "decode", "connect"] {
-            let _ = errors.get_or_create(&OpLabel { op });
-        }
-        registry.register(
-            "errors",
-            "Conversation store operations that failed",
-            errors.clone(),
-        );
-        let reconnects = Counter::default();
-        registry.register(
-            "reconnects",
-            "Reconnections to the conversation store",
-            reconnects.clone(),
-        );
         Self {
-            registry: std::sync::Arc::new(registry),
-            up,
-            errors,
-            reconnects,
+            up: m.store_up.clone(),
+            errors: m.store_errors.clone(),
+            reconnects: m.store_reconnects.clone(),
             entries: m.store_entries.clone(),
             evictions: m.evictions.clone(),
         }
@@ -315,19 +281,6 @@ impl StoreMetrics {
             };
             self.evictions.get_or_create(&CauseLabel { cause }).inc();
         }
-    }
-
-    /// Insert this store's series into OpenMetrics `text` (before `# EOF`).
-    pub fn splice_into(&self, mut text: String) -> String {
-        let mut own = String::new();
-        prometheus_client::encoding::text::encode(&mut own, &self.registry)
-            .expect("writing to a String");
-        let own = own.strip_suffix("# EOF\n").unwrap_or(&own);
-        match text.rfind("# EOF\n") {
-            Some(at) => text.insert_str(at, own),
-            None => text.push_str(own),
-        }
-        text
     }
 }
 
@@ -454,11 +407,6 @@ impl Store {
         let h = self.health();
         json!({"backend": h.backend, "status": if h.up { "ok" } else { "degraded" },
                "last_error": h.last_error, "reconnects": h.reconnects})
-    }
-
-    /// `text` (the router's OpenMetrics) with the store's own series added.
-    pub fn splice_metrics(&self, text: String) -> String {
-        self.metrics.splice_into(text)
     }
 }
 
