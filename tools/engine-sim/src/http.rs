@@ -246,7 +246,7 @@ pub(crate) async fn metrics_text(State(e): State<Arc<Engine>>) -> Response {
             axum::http::header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        with_agent_link_metrics(e.metrics.render(), agent_link(&e).map(|l| l.metrics_text())),
+        e.metrics.render(),
     )
         .into_response()
 }
@@ -256,16 +256,6 @@ fn agent_link(e: &Engine) -> Option<&Arc<crate::managed::AgentLink>> {
     e.kv.as_ref()
         .and_then(|k| k.registration())
         .map(|r| r.link())
-}
-
-/// Inserts the agent link's families before OpenMetrics' closing `# EOF`.
-fn with_agent_link_metrics(mut text: String, link: Option<String>) -> String {
-    let Some(link) = link else { return text };
-    match text.rfind("# EOF") {
-        Some(at) => text.insert_str(at, &link),
-        None => text.push_str(&link),
-    }
-    text
 }
 
 /// `GET /health`: 200, or 503 with a JSON reason while a managed-mode engine

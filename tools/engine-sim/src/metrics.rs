@@ -115,6 +115,11 @@ impl Metrics {
         Self { registry, ..m }
     }
 
+    /// Adds a scrape-time collector (the agent link of a managed-mode engine).
+    pub fn collect(&mut self, c: impl prometheus_client::collector::Collector) {
+        self.registry.register_collector(Box::new(c));
+    }
+
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut s = String::new();

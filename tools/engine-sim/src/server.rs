@@ -253,6 +253,10 @@ fn new_engine(
                 std::net::IpAddr::V6(v6) => format!("[{v6}]"),
                 std::net::IpAddr::V4(v4) => v4.to_string(),
             });
+    let mut metrics = metrics::Metrics::new();
+    if let Some(reg) = kv.as_ref().and_then(|k| k.registration()) {
+        metrics.collect(managed::AgentLinkCollector(reg.link().clone()));
+    }
     Arc::new(Engine {
         alloc: Mutex::new(BlockAllocator::new(cfg.num_blocks)),
         advertised_host,
@@ -267,7 +271,7 @@ fn new_engine(
         kv,
         profile,
         reading: Mutex::new(HashMap::new()),
-        metrics: metrics::Metrics::new(),
+        metrics,
         read_log: Mutex::new(std::collections::VecDeque::new()),
         agent,
         agent_lost: std::sync::atomic::AtomicBool::new(false),
