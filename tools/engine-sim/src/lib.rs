@@ -72,6 +72,7 @@ mod decode;
 pub mod engine;
 mod http;
 pub mod kv;
+pub mod link_metrics;
 pub mod managed;
 pub mod metrics;
 pub mod params;

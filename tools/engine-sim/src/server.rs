@@ -255,7 +255,7 @@ fn new_engine(
             });
     let mut metrics = metrics::Metrics::new();
     if let Some(reg) = kv.as_ref().and_then(|k| k.registration()) {
-        metrics.collect(managed::AgentLinkCollector(reg.link().clone()));
+        metrics.collect(crate::link_metrics::AgentLinkCollector(reg.link().clone()));
     }
     Arc::new(Engine {
         alloc: Mutex::new(BlockAllocator::new(cfg.num_blocks)),
