@@ -3,7 +3,6 @@
 //! so a new READ into them is refused instead of racing the late data.
 //! Two engines in one process, each on a thread inside its own network
 //! namespace, joined by a veth limited with `tc tbf` so the READ is slow.
-mod support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvloop_common::Direction;
 use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::*;
-use support::netns::{NsPair, enter, require_root};
+use kvloop_tests::{NodePair, require_root};
 
 const BLOCKS: u32 = 16;
 const BLOCK_LEN: u64 = 256 * 1024;
@@ -93,14 +92,14 @@ fn runtime() -> tokio::runtime::Runtime {
 #[ignore = "needs root (network namespaces, tc)"]
 fn dropped_read_future_quarantines_blocks_until_the_backend_completes() {
     require_root("dropped_read_future_quarantines_blocks_until_the_backend_completes");
-    let pair = NsPair::create(1000 + std::process::id() % 4000);
+    let pair = NodePair::create(1000 + std::process::id() % 4000).expect("network namespaces");
     // 8 blocks × 2 regions × 256 KiB = 4 MiB at 40 Mbit/s: about 0.9 s.
-    pair.limit_rate_b("40mbit");
+    pair.limit_rate_b("40mbit").expect("tc tbf");
     let (addr_tx, addr_rx) = std::sync::mpsc::channel::<SocketAddr>();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (ns_b, addr_b) = (pair.ns_b.clone(), pair.addr_b);
     let owner = std::thread::spawn(move || {
-        enter(&ns_b);
+        NodePair::join(&ns_b);
         runtime().block_on(async move {
             let d = engine("decode-0", addr_b, 2).await;
             addr_tx.send(d.side_channel_addr()).unwrap();
@@ -112,7 +111,7 @@ fn dropped_read_future_quarantines_blocks_until_the_backend_completes() {
         .expect("owner engine started");
     let (ns_a, addr_a) = (pair.ns_a.clone(), pair.addr_a);
     let reader = std::thread::spawn(move || {
-        enter(&ns_a);
+        NodePair::join(&ns_a);
         runtime().block_on(async move {
             let p = engine("prefill-0", addr_a, 1).await;
             p.connect(d_addr).await.unwrap();

@@ -97,6 +97,22 @@ impl NodePair {
         c
     }
 
+    /// Moves the calling thread into namespace `ns` (threads it starts later
+    /// inherit it): for in-process tests whose sockets and backend threads
+    /// must live on one node.
+    ///
+    /// # Panics
+    /// When the namespace does not exist or `setns` fails.
+    pub fn join(ns: &str) {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::File::open(format!("/run/netns/{ns}"))
+            .unwrap_or_else(|e| panic!("open namespace {ns}: {e}"));
+        // SAFETY: `f` is an open namespace file descriptor for the whole
+        // call; setns only changes the calling thread's network namespace.
+        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns({ns}): {}", std::io::Error::last_os_error());
+    }
+
     /// Limits the rate of B's egress (what A READs from B) with `tc tbf`.
     ///
     /// # Errors

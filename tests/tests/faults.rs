@@ -36,13 +36,6 @@ struct Cluster {
     http: reqwest::Client,
 }
 
-fn join_netns(ns: &str) {
-    let f = std::fs::File::open(format!("/run/netns/{ns}")).expect("namespace file");
-    // SAFETY: setns on this thread only, with a valid fd that outlives the call.
-    let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) };
-    assert_eq!(rc, 0, "setns({ns}): {}", std::io::Error::last_os_error());
-}
-
 impl Cluster {
     /// Namespaces, P and D, the router; this thread joins node A.
     fn start(k: u32, p_us_per_token: u64) -> Cluster {
@@ -51,7 +44,7 @@ impl Cluster {
         let dir = std::env::temp_dir().join(format!("kvloop-es-faults-{}-{k}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        join_netns(&pair.ns_a);
+        NodePair::join(&pair.ns_a);
         let mut c = Cluster {
             pair,
             dir,

@@ -1,2 +1,0 @@
-//! Helpers shared by the dataplane's integration tests.
-pub mod netns;
