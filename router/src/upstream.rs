@@ -145,6 +145,26 @@ fn reported_reused(obj: &RawObject) -> Option<u64> {
     })
 }
 
+/// `r` when its status is a success, else an [`UpstreamError`] at `st` with
+/// the status and the engine's body (`HTTP <status>: <body>`).
+async fn success(
+    st: Stage,
+    engine: &str,
+    r: reqwest::Response,
+) -> Result<reqwest::Response, UpstreamError> {
+    let status = r.status();
+    if status.is_success() {
+        return Ok(r);
+    }
+    let text = r.text().await.unwrap_or_default();
+    Err(UpstreamError::new(
+        st,
+        engine,
+        Failure::Status(status),
+        format!("HTTP {status}: {text}"),
+    ))
+}
+
 impl Upstream {
     /// `POST {url}/tokenize` with `body`; the `tokens` of the answer.
     ///
@@ -166,16 +186,7 @@ impl Upstream {
             .send()
             .await
             .map_err(|e| UpstreamError::transport(st, engine, &e))?;
-        let status = r.status();
-        if !status.is_success() {
-            let text = r.text().await.unwrap_or_default();
-            return Err(UpstreamError::new(
-                st,
-                engine,
-                Failure::Status(status),
-                text,
-            ));
-        }
+        let r = success(st, engine, r).await?;
         let v: Value = r
             .json()
             .await
@@ -223,16 +234,7 @@ impl Upstream {
             .send()
             .await
             .map_err(|e| UpstreamError::transport(st, engine, &e))?;
-        let status = r.status();
-        if !status.is_success() {
-            let text = r.text().await.unwrap_or_default();
-            return Err(UpstreamError::new(
-                st,
-                engine,
-                Failure::Status(status),
-                format!("HTTP {status}: {text}"),
-            ));
-        }
+        let r = success(st, engine, r).await?;
         let bytes = r
             .bytes()
             .await
@@ -281,16 +283,7 @@ impl Upstream {
                 ));
             }
         };
-        let status = r.status();
-        if !status.is_success() {
-            let text = r.text().await.unwrap_or_default();
-            return Err(UpstreamError::new(
-                st,
-                engine,
-                Failure::Status(status),
-                format!("HTTP {status}: {text}"),
-            ));
-        }
+        let r = success(st, engine, r).await?;
         Ok(r)
     }
 }
