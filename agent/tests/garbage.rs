@@ -33,7 +33,7 @@ async fn response(s: &UnixStream) -> Option<Response> {
 fn expect_bad_request(r: Option<Response>, what: &str, needle: &str) {
     match r {
         Some(Response::Err(e)) => {
-            assert_eq!(e.kind, "bad_request", "{what}: {e}");
+            assert_eq!(e.kind.as_str(), "bad_request", "{what}: {e}");
             assert!(e.message.contains(needle), "{what}: {e}");
         }
         other => panic!("{what}: expected an error frame, got {other:?}"),

@@ -270,7 +270,7 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         .await
         .unwrap_err();
     match &e {
-        ClientError::Api(a) => assert_eq!(a.kind, "lease", "{e}"),
+        ClientError::Api(a) => assert_eq!(a.kind.as_str(), "lease", "{e}"),
         other => panic!("{other}"),
     }
     let mut after = vec![0u8; BLOCK as usize];

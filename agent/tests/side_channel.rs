@@ -83,7 +83,7 @@ async fn registration_is_refused_naming_node_addr() {
     let r = HostRegion::new("sc-test", layout.region_len_bytes() as usize).unwrap();
     match c.register_memfd("e0", layout, &[r], None).await {
         Err(ClientError::Api(e)) => {
-            assert_eq!(e.kind, "bad_request", "{e}");
+            assert_eq!(e.kind.as_str(), "bad_request", "{e}");
             assert!(e.message.contains("node_addr"), "{e}");
         }
         other => panic!("expected a refusal naming node_addr, got {other:?}"),

@@ -391,14 +391,6 @@ impl std::fmt::Display for ErrorKind {
     }
 }
 
-/// Compares with a wire name (`kind == "lease"`), for callers written
-/// before the enum.
-impl PartialEq<&str> for ErrorKind {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
-    }
-}
-
 /// Which side of a transfer an error comes from (the dataplane's
 /// `ErrorSource`, carried over the socket).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -614,7 +606,7 @@ mod tests {
                                "origin": "backend", "retry_safe": true})
         );
         assert_eq!(serde_json::from_value::<ApiError>(wire).unwrap(), e);
-        assert!(e.kind == "timeout");
+        assert_eq!(e.kind.as_str(), "timeout");
         assert_eq!(e.to_string(), "timeout: READ 7 timed out");
         // Every kind's wire name is what serde writes.
         for k in [

@@ -464,7 +464,7 @@ mod tests {
             },
         ];
         let e = lease_covers(&lease, &bad).unwrap_err();
-        assert_eq!(e.kind, "lease");
+        assert_eq!(e.kind.as_str(), "lease");
         assert!(e.message.contains("blocks[1].remote = 6"), "{}", e.message);
         assert!(e.message.contains("`r1`"), "{}", e.message);
     }
