@@ -11,16 +11,9 @@ use kvloop_cli::child::ReadyChild;
 // dependency policy (a test without its dependency fails) and binary lookup.
 // Each test file includes this module and uses a different subset.
 #[allow(unused_imports)]
-pub use kvloop_tests::{bin as workspace_bin, have_root, in_ci, require_root, require_tool};
-
-/// A free TCP port on `ip` (bound then released).
-pub fn free_port(ip: &str) -> u16 {
-    std::net::TcpListener::bind((ip, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use kvloop_tests::{
+    bin as workspace_bin, free_port, have_root, in_ci, require_root, require_tool,
+};
 
 /// A running agent process.
 pub struct AgentProc {
