@@ -2,8 +2,6 @@
 //! whose pulls keep failing (issue: a side channel nobody can reach made
 //! every READ decline, silently). Pure: the agent feeds it outcomes and
 //! turns its answers into metrics and warnings.
-use std::collections::HashMap;
-
 use crate::proto::ErrorKind;
 
 /// Consecutive pulls not read (declined or failed) that raise a pair's alarm.
@@ -40,23 +38,12 @@ impl PullOutcome {
     }
 }
 
-/// A change of a pair's alarm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AlarmChange {
-    /// None.
-    Unchanged,
-    /// Raised now: that many pulls in a row were not read.
-    Raised(u32),
-    /// Cleared by a pull that read.
-    Cleared,
-}
+pub use kvloop_router_api::streak::AlarmChange;
+use kvloop_router_api::streak::FailureStreaks;
 
 /// Consecutive unread pulls per (reader, owner) pair.
 #[derive(Debug)]
-pub struct PullTracker {
-    alarm_after: u32,
-    unread: HashMap<(String, String), u32>,
-}
+pub struct PullTracker(FailureStreaks<(String, String)>);
 
 impl Default for PullTracker {
     fn default() -> Self {
@@ -67,35 +54,21 @@ impl Default for PullTracker {
 impl PullTracker {
     /// Raises a pair's alarm after `alarm_after` (≥ 1) unread pulls in a row.
     pub fn new(alarm_after: u32) -> Self {
-        Self {
-            alarm_after: alarm_after.max(1),
-            unread: HashMap::new(),
-        }
+        Self(FailureStreaks::new(alarm_after))
     }
 
     /// Records one pull of `owner`'s blocks by `reader`.
     pub fn record(&mut self, reader: &str, owner: &str, outcome: PullOutcome) -> AlarmChange {
         let key = (reader.to_string(), owner.to_string());
-        if outcome == PullOutcome::Read {
-            return match self.unread.remove(&key) {
-                Some(n) if n >= self.alarm_after => AlarmChange::Cleared,
-                _ => AlarmChange::Unchanged,
-            };
-        }
-        let n = self.unread.entry(key).or_insert(0);
-        *n = n.saturating_add(1);
-        if *n == self.alarm_after {
-            AlarmChange::Raised(*n)
-        } else {
-            AlarmChange::Unchanged
+        match outcome {
+            PullOutcome::Read => self.0.success(&key),
+            PullOutcome::Declined(_) | PullOutcome::Failed(_) => self.0.failure(key),
         }
     }
 
     /// Whether the pair's alarm is raised.
     pub fn alarmed(&self, reader: &str, owner: &str) -> bool {
-        self.unread
-            .get(&(reader.to_string(), owner.to_string()))
-            .is_some_and(|n| *n >= self.alarm_after)
+        self.0.alarmed(&(reader.to_string(), owner.to_string()))
     }
 }
 

@@ -6,8 +6,6 @@
 //! - [`MissingParams`]: decode answers that should have carried
 //!   `kv_transfer_params` and did not (stock vLLM <= 0.32 streams them
 //!   without), with a rate-limited warning.
-use std::collections::HashMap;
-
 /// Consecutive failed pulls of one pair that raise its alarm.
 pub const PULL_ALARM_AFTER: u32 = 3;
 
@@ -53,59 +51,35 @@ impl PullOutcome {
     }
 }
 
-/// A change of a pair's alarm, for the caller to log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AlarmChange {
-    /// The pair's pulls keep failing (consecutive failures so far).
-    Raised(u32),
-    /// A pull of the pair succeeded again.
-    Cleared,
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct PairState {
-    consecutive_failures: u32,
-    alarm: bool,
-}
+pub use kvloop_router_api::streak::AlarmChange;
+use kvloop_router_api::streak::FailureStreaks;
 
 /// Pull outcomes per (prefill index, decode index).
-#[derive(Debug, Default)]
-pub struct PullTracker {
-    pairs: HashMap<(u16, u16), PairState>,
+#[derive(Debug)]
+pub struct PullTracker(FailureStreaks<(u16, u16)>);
+
+impl Default for PullTracker {
+    fn default() -> Self {
+        Self(FailureStreaks::new(PULL_ALARM_AFTER))
+    }
 }
 
 impl PullTracker {
-    /// Record one outcome; returns the pair's alarm change, if any.
-    /// `Unreported` changes nothing (nothing is known).
+    /// Record one outcome; returns the pair's alarm change, if any
+    /// (never [`AlarmChange::Unchanged`]). `Unreported` changes nothing
+    /// (nothing is known).
     pub fn record(&mut self, p: u16, d: u16, outcome: PullOutcome) -> Option<AlarmChange> {
-        let st = self.pairs.entry((p, d)).or_default();
-        match outcome {
-            PullOutcome::Unreported => None,
-            PullOutcome::Read => {
-                st.consecutive_failures = 0;
-                std::mem::take(&mut st.alarm).then_some(AlarmChange::Cleared)
-            }
-            PullOutcome::Declined | PullOutcome::Failed => {
-                st.consecutive_failures += 1;
-                if !st.alarm && st.consecutive_failures >= PULL_ALARM_AFTER {
-                    st.alarm = true;
-                    return Some(AlarmChange::Raised(st.consecutive_failures));
-                }
-                None
-            }
-        }
+        let change = match outcome {
+            PullOutcome::Unreported => return None,
+            PullOutcome::Read => self.0.success(&(p, d)),
+            PullOutcome::Declined | PullOutcome::Failed => self.0.failure((p, d)),
+        };
+        (change != AlarmChange::Unchanged).then_some(change)
     }
 
     /// Pairs in alarm with their consecutive failures, sorted.
     pub fn alarms(&self) -> Vec<((u16, u16), u32)> {
-        let mut v: Vec<_> = self
-            .pairs
-            .iter()
-            .filter(|(_, s)| s.alarm)
-            .map(|(k, s)| (*k, s.consecutive_failures))
-            .collect();
-        v.sort_unstable();
-        v
+        self.0.alarms()
     }
 }
 

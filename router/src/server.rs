@@ -277,7 +277,7 @@ impl AppState {
                 gauge(0);
                 info!(prefill = %pe, decode = %de, "pulls of this pair succeed again");
             }
-            None => {}
+            Some(AlarmChange::Unchanged) | None => {}
         }
     }
 

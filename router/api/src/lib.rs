@@ -1,8 +1,9 @@
 //! Wire types of the router's admin API, shared by `kvloop-router` (server) and
 //! `kvloop-agent` (client), plus the protocol pieces every kvloop component
 //! that talks to engines needs: [`kv_params`] (typed `kv_transfer_params`,
-//! members kept bit-exact), [`json`] (raw JSON objects) and [`sse`] (the one
-//! server-sent-events parser).
+//! members kept bit-exact), [`json`] (raw JSON objects), [`sse`] (the one
+//! server-sent-events parser) and [`streak`] (the pull alarm of a pair whose
+//! pulls keep failing, shared by the router and the agent).
 //!
 //! `PUT /admin/thresholds` with `Authorization: Bearer <token>` and a JSON body
 //! [`ThresholdUpdate`]. The router answers `204 No Content` on success, `401`
@@ -17,6 +18,7 @@
 pub mod json;
 pub mod kv_params;
 pub mod sse;
+pub mod streak;
 
 pub use kv_params::{BlockIds, KvTransferParams, ParamsError};
 pub use sse::{SseEvent, SseParser};
