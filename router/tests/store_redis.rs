@@ -345,109 +345,25 @@ async fn router_keeps_serving_through_a_redis_outage_and_recovers() {
 
 // ---- two router processes sharing one Redis ----
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Start a binary and read its `READY key=value ...` line.
-fn spawn_ready(bin: &PathBuf, args: &[&str]) -> (Proc, Vec<(String, String)>) {
-    let mut child = Command::new(bin)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
-    let out = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).unwrap();
-    assert!(line.starts_with("READY"), "{}: {line:?}", bin.display());
-    let kv = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|p| {
-            p.split_once('=')
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-        })
-        .collect();
-    (Proc(child), kv)
-}
-
-fn kv<'a>(kv: &'a [(String, String)], k: &str) -> &'a str {
-    &kv.iter().find(|(a, _)| a == k).unwrap().1
-}
-
-fn engine_sim_bin() -> PathBuf {
-    let bin =
-        PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router")).with_file_name("kvloop-engine-sim");
-    assert!(
-        bin.exists(),
-        "{} missing: build it first (cargo build -p kvloop-engine-sim)",
-        bin.display()
-    );
-    bin
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs redis-server"]
 async fn second_replica_pulls_the_turn_the_first_stored() {
     let redis = Redis::start();
-    let sim = engine_sim_bin();
-    let eng = |role: &str, id: &str| {
-        spawn_ready(
-            &sim,
-            &[
-                "--role",
-                role,
-                "--engine-id",
-                id,
-                "--prefill-us-per-token",
-                "1",
-            ],
-        )
-    };
-    let (_p, pkv) = eng("prefill", "p0");
-    let (_d, dkv) = eng("decode", "d0");
-    let side = |k: &[(String, String)]| {
-        let (h, p) = kv(k, "side_channel").rsplit_once(':').unwrap();
-        (h.to_string(), p.to_string())
-    };
-    let ((ph, pp), (dh, dp)) = (side(&pkv), side(&dkv));
+    let p = start_sim_process("prefill", "p0");
+    let d = start_sim_process("decode", "d0");
     let cfg = format!(
-        r#"listen = "127.0.0.1:0"
-store = "{}"
-store_reconnect_min_ms = 20
-
-[[engines]]
-engine_id = "p0"
-role = "prefill"
-http_url = "http://{}"
-side_channel_host = "{ph}"
-side_channel_port = {pp}
-
-[[engines]]
-engine_id = "d0"
-role = "decode"
-http_url = "http://{}"
-side_channel_host = "{dh}"
-side_channel_port = {dp}
-"#,
+        "listen = \"127.0.0.1:0\"\nstore = \"{}\"\nstore_reconnect_min_ms = 20\n\n{}",
         redis.url(),
-        kv(&pkv, "http"),
-        kv(&dkv, "http")
+        p0_d0_registry(&p, &d)
     );
     let path = redis.dir.join("router.toml");
     std::fs::write(&path, cfg).unwrap();
     let router = PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
-    let (_a, akv) = spawn_ready(&router, &["--config", path.to_str().unwrap()]);
-    let (_b, bkv) = spawn_ready(&router, &["--config", path.to_str().unwrap()]);
+    let ra = start_bin(&router, &["--config", path.to_str().unwrap()]);
+    let rb = start_bin(&router, &["--config", path.to_str().unwrap()]);
     let (a, b) = (
-        format!("http://{}", kv(&akv, "http")),
-        format!("http://{}", kv(&bkv, "http")),
+        format!("http://{}", ra.get("http").unwrap()),
+        format!("http://{}", rb.get("http").unwrap()),
     );
     let http = reqwest::Client::new();
     for base in [&a, &b] {
@@ -503,7 +419,7 @@ side_channel_port = {dp}
         "turn 3 on A pulls what B stored"
     );
     let stats: Value = http
-        .get(format!("http://{}/sim/stats", kv(&pkv, "http")))
+        .get(format!("http://{}/sim/stats", p.get("http").unwrap()))
         .send()
         .await
         .unwrap()

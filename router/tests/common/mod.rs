@@ -250,3 +250,72 @@ pub const NO_ENTRY: &str = "kvloop_router_decisions_total{reason=\"no_entry\"}";
 pub const EXPIRED: &str = "kvloop_router_decisions_total{reason=\"expired\"}";
 pub const MISMATCH: &str = "kvloop_router_decisions_total{reason=\"prefix_mismatch\"}";
 pub const BELOW: &str = "kvloop_router_decisions_total{reason=\"recomputed_below_threshold\"}";
+
+/// `bin args…` as a [`kvloop_tests::ReadyChild`] (its `READY key=value`
+/// line read, stopped on drop).
+pub fn start_bin(bin: &std::path::Path, args: &[&str]) -> kvloop_tests::ReadyChild {
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(args);
+    kvloop_tests::ReadyChild::start(
+        &bin.display().to_string(),
+        cmd,
+        None,
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// The `kvloop-engine-sim` binary next to the router's (built when missing).
+pub fn engine_sim_bin() -> std::path::PathBuf {
+    let router = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
+    let bin = router.with_file_name("kvloop-engine-sim");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "-p", "kvloop-engine-sim"]);
+        if router
+            .parent()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n == "release")
+        {
+            cmd.arg("--release");
+        }
+        let st = cmd.status().expect("cargo runs");
+        assert!(st.success(), "building kvloop-engine-sim failed");
+    }
+    assert!(bin.exists(), "{} missing after build", bin.display());
+    bin
+}
+
+/// An engine-sim process of `role` (`prefill`, `decode`) with id `id`.
+pub fn start_sim_process(role: &str, id: &str) -> kvloop_tests::ReadyChild {
+    start_bin(
+        &engine_sim_bin(),
+        &[
+            "--role",
+            role,
+            "--engine-id",
+            id,
+            "--prefill-us-per-token",
+            "1",
+        ],
+    )
+}
+
+/// The `[[engines]]` registry of a router config naming P `p0` and D `d0`
+/// from their `READY` lines (`http`, `side_channel`).
+pub fn p0_d0_registry(p: &kvloop_tests::ReadyChild, d: &kvloop_tests::ReadyChild) -> String {
+    let entry = |c: &kvloop_tests::ReadyChild, id: &str, role: &str| {
+        let side = c.get("side_channel").unwrap();
+        let (host, port) = side.rsplit_once(':').unwrap();
+        format!(
+            "[[engines]]\nengine_id = \"{id}\"\nrole = \"{role}\"\nhttp_url = \"http://{}\"\nside_channel_host = \"{host}\"\nside_channel_port = {port}\n",
+            c.get("http").unwrap()
+        )
+    };
+    format!(
+        "{}\n{}",
+        entry(p, "p0", "prefill"),
+        entry(d, "d0", "decode")
+    )
+}
