@@ -211,6 +211,14 @@ impl ReadyChild {
     }
 }
 
+impl ReadyChild {
+    /// SIGKILL (no chance to clean up, as a crash), and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for ReadyChild {
     fn drop(&mut self) {
         self.terminate(Duration::from_secs(1));

@@ -56,6 +56,36 @@ pub fn free_port(ip: &str) -> u16 {
         .port()
 }
 
+/// The configuration of a `kvloop-agent` on loopback for the end-to-end
+/// tests: agent `name` on HTTP port `http` with its local API on `socket`,
+/// tcp;ofi_rxm, a 1 s lease safety margin, a probe every second, and one
+/// peer `peer` at `127.0.0.1:peer_http`.
+pub fn loopback_agent_toml(
+    name: &str,
+    http: u16,
+    socket: &std::path::Path,
+    peer: &str,
+    peer_http: u16,
+) -> String {
+    format!(
+        r#"agent_id = "{name}"
+node_addr = "127.0.0.1"
+http_listen = "127.0.0.1:{http}"
+socket_path = "{}"
+backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
+[lease]
+safety_margin_ms = 1000
+[probe]
+period_ms = 1000
+large_blocks = 4
+[[peers]]
+name = "{peer}"
+http = "127.0.0.1:{peer_http}"
+"#,
+        socket.display()
+    )
+}
+
 /// `kvloop node <args>` as a command, optionally inside a namespace.
 pub fn node_cmd(ns: Option<&str>, args: &[String]) -> Command {
     let kvloop = bin("kvloop");

@@ -5,22 +5,21 @@
 //! agent (the new agent has none), register the same memory again with
 //! back-off on the same side-channel port, and later turns pull again,
 //! verified byte-exact (no wrong KV).
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvloop_dataplane::{HostRegion, KvLayout};
 use kvloop_engine_sim::managed::{AgentLink, Registration, run_events};
 use kvloop_engine_sim::{KvMode, Role, SimConfig, spawn};
-use kvloop_tests::bin;
+use kvloop_tests::{ReadyChild, bin};
 use serde_json::{Value, json};
 
 /// A `kvloop-agent` process that can be SIGKILLed and started again with
 /// the same configuration (same socket, same HTTP port).
 struct Agent {
-    child: Option<Child>,
+    child: Option<ReadyChild>,
     name: String,
     cfg: PathBuf,
     http: String,
@@ -33,23 +32,7 @@ impl Agent {
         let cfg = dir.join(format!("{name}.toml"));
         std::fs::write(
             &cfg,
-            format!(
-                r#"agent_id = "{name}"
-node_addr = "127.0.0.1"
-http_listen = "127.0.0.1:{http}"
-socket_path = "{}"
-backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
-[lease]
-safety_margin_ms = 1000
-[probe]
-period_ms = 1000
-large_blocks = 4
-[[peers]]
-name = "{peer}"
-http = "127.0.0.1:{peer_http}"
-"#,
-                socket.display()
-            ),
+            kvloop_tests::loopback_agent_toml(name, http, &socket, peer, peer_http),
         )
         .unwrap();
         let mut a = Self {
@@ -65,40 +48,17 @@ http = "127.0.0.1:{peer_http}"
 
     /// Starts the process and waits for its `READY` line.
     fn start(&mut self) {
-        let mut child = Command::new(bin("kvloop-agent"))
-            .arg("--config")
-            .arg(&self.cfg)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting kvloop-agent {}: {e}", self.name));
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(out);
-            let mut line = String::new();
-            let _ = r.read_line(&mut line);
-            let _ = tx.send(line);
-            let mut sink = String::new();
-            while r.read_line(&mut sink).is_ok_and(|n| n > 0) {
-                sink.clear();
-            }
-        });
-        let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_default();
-        assert!(
-            line.starts_with("READY"),
-            "{}: no READY line: {line:?}",
-            self.name
-        );
+        let mut cmd = Command::new(bin("kvloop-agent"));
+        cmd.arg("--config").arg(&self.cfg).env("RUST_LOG", "warn");
+        let child = ReadyChild::start(&self.name, cmd, None, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e:#}"));
         self.child = Some(child);
     }
 
     /// SIGKILL, and reap.
     fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
+            c.kill();
         }
     }
 
@@ -144,11 +104,7 @@ impl Drop for Agent {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvloop_tests::free_port("127.0.0.1")
 }
 
 fn agents(dir: &Path) -> (Agent, Agent) {

@@ -34,23 +34,7 @@ fn agents(dir: &Path) -> (Agent, Agent) {
         let cfg = dir.join(format!("{name}.toml"));
         std::fs::write(
             &cfg,
-            format!(
-                r#"agent_id = "{name}"
-node_addr = "127.0.0.1"
-http_listen = "127.0.0.1:{http}"
-socket_path = "{}"
-backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
-[lease]
-safety_margin_ms = 1000
-[probe]
-period_ms = 1000
-large_blocks = 4
-[[peers]]
-name = "{peer}"
-http = "127.0.0.1:{peer_http}"
-"#,
-                socket.display()
-            ),
+            kvloop_tests::loopback_agent_toml(name, http, &socket, peer, peer_http),
         )
         .unwrap();
         let mut cmd = Command::new(bin("kvloop-agent"));
