@@ -73,30 +73,78 @@ fn usdt_reads(count: u64, work_us: u64, bytes: u64, peer: &str) -> Result<()> {
     Ok(())
 }
 
-fn nixl_read(count: u64, bytes: usize) -> Result<()> {
-    use nixl_sys::{
-        Agent, MemType, NixlRegistration, OptArgs, SystemStorage, XferDescList, XferOp, XferStatus,
-    };
-    if nixl_sys::is_stub() {
-        bail!(
-            "nixl-sys is the stub: libnixl_capi.so not found (set LD_LIBRARY_PATH to the NIXL libs)"
-        );
+/// Two NIXL agents in this process with a UCX backend each: `agent` posts
+/// the transfers, `kvloop-target` owns the remote memory.
+struct UcxAgents {
+    agent: nixl_sys::Agent,
+    target: nixl_sys::Agent,
+    opt: nixl_sys::OptArgs,
+    target_opt: nixl_sys::OptArgs,
+    /// Kept alive for the agents' lifetime.
+    _backends: [nixl_sys::Backend; 2],
+}
+
+impl UcxAgents {
+    fn new(name: &str) -> Result<Self> {
+        use nixl_sys::{Agent, OptArgs};
+        if nixl_sys::is_stub() {
+            bail!(
+                "nixl-sys is the stub: libnixl_capi.so not found (set LD_LIBRARY_PATH to the NIXL libs)"
+            );
+        }
+        let agent = Agent::new(name).with_context(|| format!("Agent::new({name})"))?;
+        let target = Agent::new("kvloop-target").context("Agent::new(target)")?;
+        let (_m, params) = agent
+            .get_plugin_params("UCX")
+            .context("UCX plugin params")?;
+        let b1 = agent
+            .create_backend("UCX", &params)
+            .with_context(|| format!("UCX backend ({name})"))?;
+        let b2 = target
+            .create_backend("UCX", &params)
+            .context("UCX backend (target)")?;
+        let mut opt = OptArgs::new()?;
+        opt.add_backend(&b1)?;
+        let mut target_opt = OptArgs::new()?;
+        target_opt.add_backend(&b2)?;
+        Ok(Self {
+            agent,
+            target,
+            opt,
+            target_opt,
+            _backends: [b1, b2],
+        })
     }
-    let reader = Agent::new("kvloop-reader").context("Agent::new(reader)")?;
-    let target = Agent::new("kvloop-target").context("Agent::new(target)")?;
-    let (_m, params) = reader
-        .get_plugin_params("UCX")
-        .context("UCX plugin params")?;
-    let b1 = reader
-        .create_backend("UCX", &params)
-        .context("UCX backend (reader)")?;
-    let b2 = target
-        .create_backend("UCX", &params)
-        .context("UCX backend (target)")?;
-    let mut opt = OptArgs::new()?;
-    opt.add_backend(&b1)?;
-    let mut opt2 = OptArgs::new()?;
-    opt2.add_backend(&b2)?;
+}
+
+/// Posts `req` and polls it until it completes (at most 10 s): the ns from
+/// post to completion. `what` names it in the error.
+fn post_and_wait(agent: &nixl_sys::Agent, req: &nixl_sys::XferRequest, what: &str) -> Result<u128> {
+    let t = Instant::now();
+    let mut in_prog = agent.post_xfer_req(req, None)?;
+    let deadline = t + Duration::from_secs(10);
+    while in_prog {
+        match agent.get_xfer_status(req)? {
+            nixl_sys::XferStatus::Success => in_prog = false,
+            nixl_sys::XferStatus::InProgress => {
+                if Instant::now() > deadline {
+                    bail!("{what} not complete after 10 s");
+                }
+            }
+        }
+    }
+    Ok(t.elapsed().as_nanos())
+}
+
+fn nixl_read(count: u64, bytes: usize) -> Result<()> {
+    use nixl_sys::{MemType, NixlRegistration, SystemStorage, XferDescList, XferOp};
+    let UcxAgents {
+        agent: reader,
+        target,
+        opt,
+        target_opt: opt2,
+        _backends,
+    } = UcxAgents::new("kvloop-reader")?;
     let mut local = SystemStorage::new(bytes)?;
     let mut remote = SystemStorage::new(bytes)?;
     local.memset(0);
@@ -113,20 +161,7 @@ fn nixl_read(count: u64, bytes: usize) -> Result<()> {
             let mut rdl = XferDescList::new(MemType::Dram)?;
             rdl.add_storage_desc(&remote)?;
             let req = reader.create_xfer_req(XferOp::Read, &ldl, &rdl, &remote_name, None)?;
-            let t = Instant::now();
-            let mut in_prog = reader.post_xfer_req(&req, None)?;
-            let deadline = t + Duration::from_secs(10);
-            while in_prog {
-                match reader.get_xfer_status(&req)? {
-                    XferStatus::Success => in_prog = false,
-                    XferStatus::InProgress => {
-                        if Instant::now() > deadline {
-                            bail!("READ {i} not complete after 10 s");
-                        }
-                    }
-                }
-            }
-            t.elapsed().as_nanos()
+            post_and_wait(&reader, &req, &format!("READ {i}"))?
         };
         if !local.as_slice().iter().all(|&b| b == 0x5a) {
             bail!("READ {i}: data mismatch");
@@ -139,29 +174,14 @@ fn nixl_read(count: u64, bytes: usize) -> Result<()> {
 }
 
 fn nixl_prepped(count: u64, descs: usize, desc_bytes: usize) -> Result<()> {
-    use nixl_sys::{
-        Agent, MemType, NixlRegistration, OptArgs, SystemStorage, XferDescList, XferOp, XferStatus,
-    };
-    if nixl_sys::is_stub() {
-        bail!(
-            "nixl-sys is the stub: libnixl_capi.so not found (set LD_LIBRARY_PATH to the NIXL libs)"
-        );
-    }
-    let agent = Agent::new("kvloop-prepper").context("Agent::new(prepper)")?;
-    let target = Agent::new("kvloop-target").context("Agent::new(target)")?;
-    let (_m, params) = agent
-        .get_plugin_params("UCX")
-        .context("UCX plugin params")?;
-    let b1 = agent
-        .create_backend("UCX", &params)
-        .context("UCX backend (prepper)")?;
-    let b2 = target
-        .create_backend("UCX", &params)
-        .context("UCX backend (target)")?;
-    let mut opt = OptArgs::new()?;
-    opt.add_backend(&b1)?;
-    let mut opt2 = OptArgs::new()?;
-    opt2.add_backend(&b2)?;
+    use nixl_sys::{MemType, NixlRegistration, SystemStorage, XferDescList, XferOp};
+    let UcxAgents {
+        agent,
+        target,
+        opt,
+        target_opt: opt2,
+        _backends,
+    } = UcxAgents::new("kvloop-prepper")?;
     let total = descs * desc_bytes;
     // descriptor d at 2 * d * desc_bytes: a gap after each, so none merge
     let mut local = SystemStorage::new(2 * total)?;
@@ -193,20 +213,7 @@ fn nixl_prepped(count: u64, descs: usize, desc_bytes: usize) -> Result<()> {
             XferOp::Read
         };
         let req = agent.make_xfer_req(op, &local_h, &idx, &remote_h, &idx, None)?;
-        let t = Instant::now();
-        let mut in_prog = agent.post_xfer_req(&req, None)?;
-        let deadline = t + Duration::from_secs(10);
-        while in_prog {
-            match agent.get_xfer_status(&req)? {
-                XferStatus::Success => in_prog = false,
-                XferStatus::InProgress => {
-                    if Instant::now() > deadline {
-                        bail!("transfer {i} not complete after 10 s");
-                    }
-                }
-            }
-        }
-        let ns = t.elapsed().as_nanos();
+        let ns = post_and_wait(&agent, &req, &format!("transfer {i}"))?;
         println!("read id={i} user_ns={ns} bytes={total}");
     }
     if !local.as_slice().iter().all(|&b| b == 0x11) {
