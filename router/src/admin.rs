@@ -1,6 +1,5 @@
 //! The router's own endpoints: `/v1/models`, `/version`, `/health`,
 //! `/metrics` and the threshold admin API.
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -10,70 +9,15 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvloop_router_api::ThresholdUpdate;
-use kvloop_router_api::json::RawObject;
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
 use crate::alarms::MISSING_PARAMS_HINT;
 use crate::error::error_response;
 use crate::metrics::ReasonLabel;
-use crate::server::AppState;
+use crate::models::merge_models;
+use crate::state::AppState;
 use crate::thresholds::ApplyOutcome;
-
-/// Merge the `/v1/models` answers of several engines: one entry per model
-/// id (the first engine's members kept exactly), `max_model_len` the
-/// smallest any engine reports (a request must fit every engine it may
-/// reach). Answers that are not `{"data": [...]}` are ignored.
-pub fn merge_models(answers: &[Bytes]) -> (Vec<u8>, Vec<String>) {
-    let mut order: Vec<String> = Vec::new();
-    let mut models: BTreeMap<String, (RawObject, Option<u64>)> = BTreeMap::new();
-    for a in answers {
-        let Ok(v) = serde_json::from_slice::<RawObject>(a) else {
-            continue;
-        };
-        let Some(data) = v
-            .get("data")
-            .and_then(|d| serde_json::from_str::<Vec<RawObject>>(d.get()).ok())
-        else {
-            continue;
-        };
-        for m in data {
-            let Some(id) = m
-                .get("id")
-                .and_then(|i| serde_json::from_str::<String>(i.get()).ok())
-            else {
-                continue;
-            };
-            let len = m
-                .get("max_model_len")
-                .and_then(|l| serde_json::from_str::<u64>(l.get()).ok());
-            match models.get_mut(&id) {
-                Some((_, have)) => {
-                    *have = match (*have, len) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    }
-                }
-                None => {
-                    order.push(id.clone());
-                    models.insert(id, (m, len));
-                }
-            }
-        }
-    }
-    let data: Vec<String> = order
-        .iter()
-        .map(|id| {
-            let (mut m, len) = models.remove(id).expect("inserted");
-            if let Some(l) = len {
-                m.set_value("max_model_len", &l);
-            }
-            m.to_json()
-        })
-        .collect();
-    let body = format!("{{\"object\":\"list\",\"data\":[{}]}}", data.join(","));
-    (body.into_bytes(), order)
-}
 
 /// `GET /v1/models`: the models of every healthy engine, merged.
 pub async fn models(State(s): State<Arc<AppState>>) -> Response {
@@ -291,24 +235,4 @@ pub async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) 
         .collect();
     Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs}))
         .into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn models_are_merged_with_the_smallest_max_model_len() {
-        let d = Bytes::from_static(
-            br#"{"object":"list","data":[{"id":"m","object":"model","root":"r","x":1.50}]}"#,
-        );
-        let p = Bytes::from_static(br#"{"object":"list","data":[{"id":"m","max_model_len":4096},{"id":"lora","max_model_len":2048}]}"#);
-        let p2 = Bytes::from_static(br#"{"data":[{"id":"m","max_model_len":2048}]}"#);
-        let (body, ids) = merge_models(&[d, p, p2, Bytes::from_static(b"nope")]);
-        assert_eq!(ids, ["m", "lora"]);
-        assert_eq!(
-            String::from_utf8(body).unwrap(),
-            r#"{"object":"list","data":[{"id":"m","object":"model","root":"r","x":1.50,"max_model_len":2048},{"id":"lora","max_model_len":2048}]}"#
-        );
-    }
 }

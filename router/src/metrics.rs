@@ -145,7 +145,7 @@ impl Metrics {
             ttft_seconds.clone(),
         );
         let decisions = Family::<ReasonLabel, Counter>::default();
-        for r in crate::decision::Reason::ALL {
+        for r in crate::reason::Reason::ALL {
             let _ = decisions.get_or_create(&ReasonLabel { reason: r.as_str() });
         }
         registry.register("decisions", "Reuse decisions by reason", decisions.clone());

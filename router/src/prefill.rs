@@ -10,7 +10,7 @@ use crate::decision::Decision;
 use crate::error::RouteError;
 use crate::params::{KvParams, no_reuse_prefill_params};
 use crate::request::{ParsedRequest, prefill_body};
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::upstream::{Failure, PrefillReply, Stage, UpstreamError};
 
 /// The prefill step with the retry-once rule: when D's params were attached

@@ -21,8 +21,8 @@ use crate::metrics::{EngineLabel, ReasonLabel};
 use crate::params::KvParams;
 use crate::request::{Api, tokenize_text_body};
 use crate::select::load::DecodeGuard;
-use crate::server::AppState;
 use crate::sse::{ReplySummary, StreamRewriter};
+use crate::state::AppState;
 use crate::store::{ConvKey, StoredTurn};
 
 /// What a finished turn needs to be stored.
