@@ -58,6 +58,7 @@ bench: build
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	python3 scripts/modcycles.py $(sort $(dir $(wildcard */src/lib.rs */*/src/lib.rs */src/main.rs */*/src/main.rs)))
 
 # kvloop in front of real vLLM engines (1 P + 1 D vLLM 0.32 CPU engines with
 # NixlConnector in two network namespaces; docs/vllm.md). The first run

@@ -59,6 +59,7 @@ pub fn open_ipc_handle(device: i32, handle: [u8; 64]) -> Result<u64, String> {
         .map_err(|e| format!("device {device}: {e}"))?;
     ctx.bind_to_thread()
         .map_err(|e| format!("device {device}: {e}"))?;
+    // SAFETY: CUipcMemHandle is a plain C struct of bytes; all zeroes is valid.
     let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
     for (d, s) in h.reserved.iter_mut().zip(handle.iter()) {
         *d = *s as _;

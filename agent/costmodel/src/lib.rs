@@ -93,6 +93,7 @@
 //! `(1 + penalty)/2` when fixed at a last good value) × `1/(1 + (residual/0.5)²)`. Per pair: the
 //! minimum of its transfer and prefill models.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 // `!(x > 0.0)` is used on purpose: it is true for NaN, which must take the
 // same branch as a non-positive value.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]

@@ -31,6 +31,7 @@ pub struct DemoDataplaneArgs {
 
 /// Runs the demo; fails when any block mismatches.
 pub fn run(a: DemoDataplaneArgs) -> Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
     let pair = if root && !a.loopback {
         Some(NodePair::create(std::process::id() % 10_000)?)

@@ -43,6 +43,7 @@
 //! chart::write_ttft_chart(&rep, "target/kvloop-demo/ttft.png".as_ref(), "TTFT vs prompt length")?;
 //! # Ok(()) }
 //! ```
+#![forbid(unsafe_code)]
 pub mod agentic;
 pub mod chart;
 pub mod client;

@@ -129,6 +129,7 @@ pub fn run(mut a: DemoArgs, slow_link: bool) -> Result<()> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    // SAFETY: geteuid has no preconditions and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
     let pair = if root && !a.loopback {
         Some(NodePair::create(std::process::id() % 10_000)?)
