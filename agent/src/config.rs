@@ -80,6 +80,8 @@ pub struct AgentConfig {
     pub probe: ProbeConfig,
     /// Network state watch.
     pub network: NetworkConfig,
+    /// Observe mode: the NIXL transfers of stock engines on this node.
+    pub observe: ObserveConfig,
     /// Peer agents [none].
     pub peers: Vec<PeerConfig>,
     /// Routers to push thresholds to [none].
@@ -109,6 +111,7 @@ impl Default for AgentConfig {
             lease: LeaseConfig::default(),
             probe: ProbeConfig::default(),
             network: NetworkConfig::default(),
+            observe: ObserveConfig::default(),
             peers: Vec::new(),
             routers: Vec::new(),
             pairs: Vec::new(),
@@ -191,6 +194,36 @@ impl Default for NetworkConfig {
             poll_ms: 1000,
         }
     }
+}
+
+/// Observe mode: stock engines (vLLM with NixlConnector) do their own
+/// READs through their own `libnixl.so`; the agent times them with the NIXL
+/// library probes and feeds them to the cost model
+/// (`crate::observe::attribute` says which peer each is for).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ObserveConfig {
+    /// `libnixl.so` files of the engines on this node (vLLM loads the one
+    /// of its `nixl_cu12`/`nixl_cu13` wheel: `grep libnixl
+    /// /proc/<engine pid>/maps` names it). Attached for every process
+    /// using them; a file that is absent or fails to attach is retried
+    /// every 5 s [none].
+    pub nixl_libs: Vec<PathBuf>,
+    /// Which processes' transfers count [`node`].
+    pub scope: ObserveScope,
+}
+
+/// Which processes' NIXL transfers an agent in observe mode counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObserveScope {
+    /// Every process on this node's kernel (one agent per node, the
+    /// DaemonSet case).
+    #[default]
+    Node,
+    /// Only processes in the agent's own network namespace: "nodes" that
+    /// are network namespaces of one kernel (kvloop's own tests and demos).
+    Netns,
 }
 
 /// A prefill engine's serving port on this node.
@@ -355,6 +388,14 @@ impl AgentConfig {
         }
         if p.period_ms == 0 {
             return Err(invalid("probe.period_ms", "a period > 0 ms"));
+        }
+        for (i, lib) in self.observe.nixl_libs.iter().enumerate() {
+            if !lib.is_absolute() {
+                return Err(invalid(
+                    format!("observe.nixl_libs[{i}]"),
+                    format!("an absolute path of a libnixl.so, got `{}`", lib.display()),
+                ));
+            }
         }
         for (i, r) in self.routers.iter().enumerate() {
             if !(r.url.starts_with("http://") || r.url.starts_with("https://")) {

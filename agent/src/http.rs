@@ -19,27 +19,15 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::agent::{Agent, EnginesInfo};
+use kvloop_agent_api::peer::EnginesInfo;
+
+use crate::agent::Agent;
+use crate::garbage::{Peer, garbage_warn};
 use crate::proto::{ApiError, ErrorKind};
 
-/// Version of the agent-to-agent API; requests carrying another are refused.
-pub const API_VERSION: u32 = 1;
-
-/// Body of `POST /v1/leases/renew`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RenewRequest {
-    /// [`API_VERSION`] of the caller.
-    pub version: u32,
-    /// Owner engine id (hosted by the answering agent).
-    pub engine_id: String,
-    /// Owner request id.
-    pub request_id: String,
-    /// Requested lease, ms.
-    pub lease_ms: u64,
-}
+pub use kvloop_agent_api::peer::{API_VERSION, RenewRequest};
 
 struct HttpState {
     agent: Arc<Agent>,
@@ -93,8 +81,8 @@ async fn renew(
     let body = match body {
         Ok(b) => b,
         Err(e) => {
-            crate::server::garbage_warn(
-                crate::server::Peer::default(),
+            garbage_warn(
+                Peer::default(),
                 &format!("HTTP POST /v1/leases/renew body refused: {e}"),
             );
             return err(
@@ -106,8 +94,8 @@ async fn renew(
     let r: RenewRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
-            crate::server::garbage_warn(
-                crate::server::Peer::default(),
+            garbage_warn(
+                Peer::default(),
                 &format!("HTTP POST /v1/leases/renew body is not a renew request: {e}"),
             );
             return err(

@@ -10,6 +10,8 @@
 //! * [`pulls`]: pull outcomes per engine pair and the failing-pair alarm.
 //! * [`netstate`]: rtnetlink link state, sysfs speed, RDMA counters,
 //!   path invalidation.
+//! * [`garbage`]: rate-limited warnings about garbage from clients.
+//! * [`observe`]: which peer a kernel-timed transfer is for (pure).
 //! * [`http`]: `/metrics`, `/healthz`, agent-to-agent `/v1/` API.
 //! * [`caps`]: which Linux capability an eBPF permission failure lacks.
 //! * [`check`]: `kvloop-agent --check` readiness report.
@@ -19,10 +21,12 @@ pub mod caps;
 pub mod check;
 pub mod config;
 pub mod cuda;
+pub mod garbage;
 pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod netstate;
+pub mod observe;
 pub mod pulls;
 pub mod server;
 pub mod tasks;

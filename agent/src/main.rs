@@ -167,8 +167,8 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     }
     let agent = Agent::new(cfg.clone(), probes).await?;
     let mut registry = prometheus_client::registry::Registry::default();
-    agent.metrics.register(&mut registry);
-    agent.probes.register_metrics(&mut registry);
+    agent.metrics().register(&mut registry);
+    agent.probes().register_metrics(&mut registry);
     let listener = server::bind(&cfg.socket_path)?;
     let unix = tokio::spawn(server::serve(agent.clone(), listener));
     let tcp = tokio::net::TcpListener::bind(cfg.http_listen)
@@ -187,8 +187,8 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let loops = tasks::spawn_all(&agent);
     tracing::info!(
         agent_id = %cfg.agent_id, http = %http_addr, socket = %cfg.socket_path.display(),
-        probe_engine = ?agent.probe_engine.as_ref().map(|e| e.side_channel_addr()),
-        ebpf = agent.probes.source().label(), read_timing = agent.read_timing_label(),
+        probe_engine = ?agent.probe_engine().map(|e| e.side_channel_addr()),
+        ebpf = agent.probes().source().label(), read_timing = agent.read_timing_label(),
         "kvloop-agent running"
     );
     println!(

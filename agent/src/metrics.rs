@@ -10,6 +10,7 @@
 //! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
 //! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `result` | active probe READs |
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |
+//! | `kvloop_agent_kernel_transfers` | counter | `site`, `result` | kernel-timed transfers drained: `recorded` for the cost model, else why not ([`crate::observe::Skip`]) |
 //! | `kvloop_agent_path_bandwidth_bytes_per_second` | gauge | `peer` | fitted bandwidth of the inbound path |
 //! | `kvloop_agent_path_fixed_cost_ms` | gauge | `peer` | fitted fixed cost per READ |
 //! | `kvloop_agent_path_bandwidth_alarm` | gauge | `peer` | 1 when the fitted bandwidth is below `probe.alarm_ratio` × expected |
@@ -59,6 +60,8 @@ pub struct Metrics {
     pub probe_reads: Family<Labels, Counter>,
     /// Probe rounds skipped by the rate limit.
     pub probe_skipped: Family<Labels, Counter>,
+    /// Kernel-timed transfers drained, by site and result.
+    pub kernel_transfers: Family<Labels, Counter>,
     /// Fitted bandwidth.
     pub path_bandwidth: Family<Labels, F64Gauge>,
     /// Fitted fixed cost.
@@ -130,6 +133,11 @@ impl Metrics {
             "probe_skipped",
             "Probe rounds skipped by the rate limit",
             self.probe_skipped.clone(),
+        );
+        r.register(
+            "kernel_transfers",
+            "Kernel-timed transfers drained: recorded for the cost model, or why not",
+            self.kernel_transfers.clone(),
         );
         r.register(
             "path_bandwidth_bytes_per_second",

@@ -3,12 +3,13 @@
 //! (`/sys/class/net/<if>/speed`), EFA/RDMA port counters from
 //! `/sys/class/infiniband` where present. A link event (`RTMGRP_LINK`
 //! multicast) arrives at once; a full dump runs every `network.poll_ms`.
-//! A link going down invalidates every peer path over it at once (the cost
-//! model publishes "recompute" for the pairs over it and a push goes out).
+//! The watch only reports ([`watch`] sends [`NetEvent`]s on a channel); the
+//! agent applies them (`Agent::apply_links`): a link going down invalidates
+//! every peer path over it at once (the cost model publishes "recompute"
+//! for the pairs over it and a push goes out).
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use netlink_packet_core::{
@@ -18,9 +19,7 @@ use netlink_packet_route::RouteNetlinkMessage;
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage, State};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
-
-use crate::agent::Agent;
-use crate::metrics::labels;
+use tokio::sync::mpsc;
 
 /// `RTMGRP_LINK` multicast group bit (linux/rtnetlink.h).
 const RTMGRP_LINK: u32 = 1;
@@ -44,6 +43,8 @@ pub struct LinkState {
     pub rx_errors: u64,
     /// Transmit errors.
     pub tx_errors: u64,
+    /// Speed from sysfs, Mbit/s (`None` when unknown or not read yet).
+    pub speed_mbps: Option<u64>,
 }
 
 /// Parses a link message. `None` without a name.
@@ -257,156 +258,110 @@ pub fn rdma_counters(root: &Path) -> Vec<(String, String, String, u64)> {
     out
 }
 
-/// Applies a set of link states: metrics, path invalidation and recovery.
-pub fn apply_links(agent: &Agent, prev_up: &mut HashMap<String, bool>, links: &[LinkState]) {
-    for l in links {
-        let lb = labels(&[("interface", &l.name)]);
-        let m = &agent.metrics;
-        m.link_up.get_or_create(&lb).set(l.up as i64);
-        m.link_mtu.get_or_create(&lb).set(l.mtu as i64);
-        m.link_speed_mbps
-            .get_or_create(&lb)
-            .set(sysfs_speed_mbps(&l.name).unwrap_or(0) as i64);
-        if l.rx_bytes > 0 || l.tx_bytes > 0 {
-            m.link_rx_bytes.get_or_create(&lb).set(l.rx_bytes as i64);
-            m.link_tx_bytes.get_or_create(&lb).set(l.tx_bytes as i64);
-            m.link_rx_errors.get_or_create(&lb).set(l.rx_errors as i64);
-            m.link_tx_errors.get_or_create(&lb).set(l.tx_errors as i64);
-        }
-    }
-    let peer_ifaces: HashMap<String, String> = agent
-        .peers
-        .read()
-        .unwrap()
-        .iter()
-        .filter_map(|(n, p)| p.interface.clone().map(|i| (n.clone(), i)))
-        .collect();
-    let (down, up) = path_changes(prev_up, links, &peer_ifaces);
-    for l in links {
-        prev_up.insert(l.name.clone(), l.up);
-    }
-    let now = agent.now();
-    for (peer, iface) in &down {
-        let detail = format!("link {iface} down");
-        let changes = agent
-            .model
-            .lock()
-            .unwrap()
-            .invalidate_peer(peer, now, &detail);
-        if let Some(p) = agent.peers.write().unwrap().get_mut(peer) {
-            p.path_valid = false;
-        }
-        agent
-            .metrics
-            .path_valid
-            .get_or_create(&labels(&[("peer", peer)]))
-            .set(0);
-        tracing::warn!(%peer, interface = %iface, pairs = changes.len(), "link down: path invalidated, pairs over it recompute");
-        agent.push_now.notify_one();
-    }
-    for peer in &up {
-        if let Some(p) = agent.peers.write().unwrap().get_mut(peer) {
-            p.path_valid = true;
-        }
-        agent
-            .metrics
-            .path_valid
-            .get_or_create(&labels(&[("peer", peer)]))
-            .set(1);
-        tracing::info!(%peer, "link up: path valid again (re-measured by probes)");
-    }
+/// What the network watch reports ([`watch`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum NetEvent {
+    /// The periodic full dump (every `network.poll_ms`).
+    Dump {
+        /// Every link, with its sysfs speed.
+        links: Vec<LinkState>,
+        /// The address table, `(ifindex, prefix_len, address)`; empty when
+        /// its dump failed.
+        addrs: Vec<(u32, u8, IpAddr)>,
+        /// EFA/RDMA port counters ([`rdma_counters`]).
+        rdma: Vec<(String, String, String, u64)>,
+    },
+    /// One link changed (an `RTMGRP_LINK` multicast event, at once).
+    Link(LinkState),
 }
 
-/// Fills in the interface of peers configured without one, from the
-/// address table (the local subnet that contains the peer's address).
-fn resolve_interfaces(agent: &Agent, links: &[LinkState]) {
-    let Ok(addrs) = dump_addrs() else { return };
-    let by_index: HashMap<u32, &str> = links.iter().map(|l| (l.index, l.name.as_str())).collect();
-    let mut peers = agent.peers.write().unwrap();
-    for (name, p) in peers.iter_mut() {
-        if p.interface.is_some() {
-            continue;
-        }
-        let Some(http) = p.http else { continue };
-        if let Some(n) = iface_for(http.ip(), &addrs).and_then(|i| by_index.get(&i)) {
-            tracing::info!(peer = %name, interface = %n, "path interface resolved from the address table");
-            p.interface = Some(n.to_string());
-        }
-    }
+/// Fills in a link's speed from sysfs.
+fn with_speed(mut l: LinkState) -> LinkState {
+    l.speed_mbps = sysfs_speed_mbps(&l.name);
+    l
 }
 
-/// The network watch: a multicast listener thread (link events at once) and
-/// a periodic dump.
-pub async fn watch_loop(agent: Arc<Agent>) {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<LinkState>();
-    let weak: Weak<Agent> = Arc::downgrade(&agent);
+/// Starts the network watch: a multicast listener thread (link events at
+/// once) and a periodic dump every `poll_ms` (at least 50 ms), both sending
+/// on the returned channel. Both stop once the receiver is dropped (the
+/// listener at its next event). Must be called inside a tokio runtime.
+pub fn watch(poll_ms: u64) -> mpsc::UnboundedReceiver<NetEvent> {
+    let (tx, rx) = mpsc::unbounded_channel::<NetEvent>();
+    let events = tx.clone();
     std::thread::Builder::new()
         .name("kvloop-netlink".into())
-        .spawn(move || {
-            let mut s = match Socket::new(NETLINK_ROUTE) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "rtnetlink socket failed: no link events (periodic dump only)");
-                    return;
-                }
-            };
-            if let Err(e) = s.bind(&SocketAddr::new(0, RTMGRP_LINK)) {
-                tracing::warn!(error = %e, "rtnetlink multicast bind failed: no link events");
-                return;
+        .spawn(move || listen_links(&events))
+        .ok();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(poll_ms.max(50)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = tx.closed() => return,
             }
-            let mut buf = vec![0u8; 1 << 16];
-            loop {
-                buf.clear();
-                buf.resize(1 << 16, 0);
-                let Ok(n) = s.recv(&mut &mut buf[..], 0) else { return };
-                if weak.strong_count() == 0 {
-                    return;
-                }
-                let mut off = 0;
-                while off < n {
-                    let Ok(m) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[off..n]) else {
-                        break;
-                    };
-                    let len = m.header.length as usize;
-                    if let NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) = &m.payload
-                        && let Some(st) = parse_link(l)
-                        && tx.send(st).is_err()
-                    {
+            let dump = tokio::task::spawn_blocking(|| {
+                dump_links().map(|links| NetEvent::Dump {
+                    links: links.into_iter().map(with_speed).collect(),
+                    addrs: dump_addrs().unwrap_or_default(),
+                    rdma: rdma_counters(Path::new("/sys/class/infiniband")),
+                })
+            })
+            .await;
+            match dump {
+                Ok(Ok(ev)) => {
+                    if tx.send(ev).is_err() {
                         return;
                     }
-                    if len == 0 {
-                        break;
-                    }
-                    off += len;
                 }
+                Ok(Err(e)) => tracing::debug!(error = %e, "link dump failed"),
+                Err(_) => {}
             }
-        })
-        .ok();
-    let mut prev: HashMap<String, bool> = HashMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(agent.cfg.network.poll_ms.max(50)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut resolved = false;
+        }
+    });
+    rx
+}
+
+/// The multicast listener: sends every link event until the receiver is
+/// gone or the socket fails.
+fn listen_links(tx: &mpsc::UnboundedSender<NetEvent>) {
+    let mut s = match Socket::new(NETLINK_ROUTE) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "rtnetlink socket failed: no link events (periodic dump only)");
+            return;
+        }
+    };
+    if let Err(e) = s.bind(&SocketAddr::new(0, RTMGRP_LINK)) {
+        tracing::warn!(error = %e, "rtnetlink multicast bind failed: no link events");
+        return;
+    }
+    let mut buf = vec![0u8; 1 << 16];
     loop {
-        tokio::select! {
-            _ = tick.tick() => {
-                match tokio::task::spawn_blocking(dump_links).await {
-                    Ok(Ok(links)) => {
-                        if !resolved {
-                            resolve_interfaces(&agent, &links);
-                            resolved = true;
-                        }
-                        apply_links(&agent, &mut prev, &links);
-                    }
-                    Ok(Err(e)) => tracing::debug!(error = %e, "link dump failed"),
-                    Err(_) => {}
-                }
-                for (dev, port, counter, v) in rdma_counters(Path::new("/sys/class/infiniband")) {
-                    agent.metrics.rdma
-                        .get_or_create(&labels(&[("device", &dev), ("port", &port), ("counter", &counter)]))
-                        .set(v as i64);
-                }
+        buf.clear();
+        buf.resize(1 << 16, 0);
+        let Ok(n) = s.recv(&mut &mut buf[..], 0) else {
+            return;
+        };
+        if tx.is_closed() {
+            return;
+        }
+        let mut off = 0;
+        while off < n {
+            let Ok(m) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[off..n]) else {
+                break;
+            };
+            let len = m.header.length as usize;
+            if let NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) = &m.payload
+                && let Some(st) = parse_link(l)
+                && tx.send(NetEvent::Link(with_speed(st))).is_err()
+            {
+                return;
             }
-            Some(l) = rx.recv() => apply_links(&agent, &mut prev, std::slice::from_ref(&l)),
+            if len == 0 {
+                break;
+            }
+            off += len;
         }
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! Garbage on the socket (bytes that are not JSON requests, oversized
 //! length prefixes, frames cut short) is logged at warn with the peer's pid
-//! and uid, rate-limited ([`WarnLimiter`]), and answered with an error frame
+//! and uid, rate-limited ([`crate::garbage::WarnLimiter`]), and answered with an error frame
 //! while the framing still allows one: a body that is not a request gets a
 //! `bad_request` response and the connection goes on; a length prefix over
 //! [`crate::proto::MAX_FRAME_BYTES`] or a frame cut short gets a
@@ -12,12 +12,14 @@
 //! longer be split into frames).
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::Agent;
+pub use crate::garbage::Peer;
+use crate::garbage::garbage_warn;
 use crate::proto::{
     ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json,
 };
@@ -166,76 +168,6 @@ async fn serve_conn(
     Ok(())
 }
 
-/// The peer process of a connection (`SO_PEERCRED`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Peer {
-    /// Its pid, where the kernel reports one.
-    pub pid: Option<i32>,
-    /// Its uid.
-    pub uid: u32,
-}
-
-/// Rate limit of warnings: at most `burst` per `period_ms`; the ones
-/// dropped are counted and reported with the next one let through. Pure
-/// (time is passed in).
-#[derive(Clone, Debug)]
-pub struct WarnLimiter {
-    period_ms: u64,
-    burst: u32,
-    window_start_ms: u64,
-    in_window: u32,
-    suppressed: u64,
-}
-
-impl WarnLimiter {
-    /// At most `burst` warnings per `period_ms`.
-    pub const fn new(period_ms: u64, burst: u32) -> Self {
-        Self {
-            period_ms,
-            burst,
-            window_start_ms: 0,
-            in_window: 0,
-            suppressed: 0,
-        }
-    }
-
-    /// Whether to log a warning at `now_ms`: `Some(n)` with the number of
-    /// warnings dropped since the last one logged, or `None` (dropped).
-    pub fn allow(&mut self, now_ms: u64) -> Option<u64> {
-        if now_ms.saturating_sub(self.window_start_ms) >= self.period_ms {
-            self.window_start_ms = now_ms;
-            self.in_window = 0;
-        }
-        if self.in_window < self.burst {
-            self.in_window += 1;
-            Some(std::mem::take(&mut self.suppressed))
-        } else {
-            self.suppressed += 1;
-            None
-        }
-    }
-}
-
-/// Garbage warnings of the local API: 5 per 10 s.
-static GARBAGE_WARNINGS: Mutex<WarnLimiter> = Mutex::new(WarnLimiter::new(10_000, 5));
-
-/// Logs garbage from a client at warn, rate-limited ([`GARBAGE_WARNINGS`]).
-pub fn garbage_warn(peer: Peer, what: &str) {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    let now_ms = START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64;
-    let allowed = GARBAGE_WARNINGS
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .allow(now_ms);
-    if let Some(suppressed) = allowed {
-        tracing::warn!(peer_pid = ?peer.pid, peer_uid = peer.uid, suppressed,
-                       "local API: garbage from a client: {what}");
-    }
-}
-
 /// Handles one request.
 ///
 /// # Errors
@@ -270,7 +202,7 @@ pub async fn handle(
             }
             Ok(Reply::Welcome {
                 version: PROTOCOL_VERSION,
-                agent_id: agent.cfg.agent_id.clone(),
+                agent_id: agent.config().agent_id.clone(),
             })
         }
         Request::Register {
@@ -381,20 +313,6 @@ pub async fn handle(
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn garbage_warnings_are_rate_limited_and_count_what_they_drop() {
-        let mut l = super::WarnLimiter::new(1000, 2);
-        assert_eq!(l.allow(0), Some(0));
-        assert_eq!(l.allow(10), Some(0));
-        assert_eq!(l.allow(20), None);
-        assert_eq!(l.allow(999), None);
-        // A new window: the two dropped ones are reported with the next.
-        assert_eq!(l.allow(1000), Some(2));
-        assert_eq!(l.allow(1001), Some(0));
-        assert_eq!(l.allow(1002), None);
-        assert_eq!(l.allow(5000), Some(1));
-    }
-
     #[test]
     fn only_same_uid_or_root() {
         assert!(super::peer_allowed(1000, 1000));

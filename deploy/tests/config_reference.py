@@ -39,6 +39,7 @@ AGENT_STRUCTS = {
     "lease": ("agent/src/lease.rs", "LeaseConfig"),
     "probe": ("agent/src/config.rs", "ProbeConfig"),
     "network": ("agent/src/config.rs", "NetworkConfig"),
+    "observe": ("agent/src/config.rs", "ObserveConfig"),
     "prefill_ports[]": ("agent/src/config.rs", "PrefillPort"),
     "peers[]": ("agent/src/config.rs", "PeerConfig"),
     "routers[]": ("agent/src/config.rs", "RouterTarget"),

@@ -8,6 +8,8 @@
 //!   connect to remote engines, READ, retain and release blocks, wait for
 //!   owner notifications, report prefill timings.
 //! * [`lease`]: lease records as the API reports them.
+//! * [`peer`]: the agent-to-agent HTTP API's wire types (engines info,
+//!   lease renewal, API version).
 //! * [`reconnect`]: reconnecting with back-off after the agent restarted.
 //!
 //! Kept apart from the agent crate so that an engine links the protocol
@@ -15,6 +17,7 @@
 #![deny(missing_docs)]
 pub mod client;
 pub mod lease;
+pub mod peer;
 pub mod proto;
 pub mod reconnect;
 

@@ -99,7 +99,6 @@ impl Agent {
                     agent
                         .leases
                         .lock()
-                        .unwrap()
                         .on_notification(&id, &n.owner_request_id, n.count);
                 agent.push_event(
                     &id,
@@ -118,7 +117,7 @@ impl Agent {
         let generation = self
             .next_generation
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.engines.write().unwrap().insert(
+        self.engines.write().insert(
             engine_id.clone(),
             Hosted {
                 engine,
@@ -130,27 +129,22 @@ impl Agent {
         // (an engine that restarted) must not reach the new one.
         self.events
             .lock()
-            .unwrap()
             .insert(engine_id.clone(), Default::default());
-        self.metrics
-            .engines
-            .set(self.engines.read().unwrap().len() as i64);
+        self.metrics.engines.set(self.engines.read().len() as i64);
         tracing::info!(%engine_id, side_channel = %addr, %backend, "engine registered");
         Ok((addr, backend, generation))
     }
 
     /// Unregisters an engine; `true` if it was registered.
     pub fn unregister(&self, engine_id: &str) -> bool {
-        let gone = self.engines.write().unwrap().remove(engine_id).is_some();
+        let gone = self.engines.write().remove(engine_id).is_some();
         if gone {
-            self.leases.lock().unwrap().drop_engine(engine_id);
+            self.leases.lock().drop_engine(engine_id);
             // Waiters in `events` see `unknown_engine` from now on.
-            if let Some(q) = self.events.lock().unwrap().remove(engine_id) {
+            if let Some(q) = self.events.lock().remove(engine_id) {
                 q.notify.notify_waiters();
             }
-            self.metrics
-                .engines
-                .set(self.engines.read().unwrap().len() as i64);
+            self.metrics.engines.set(self.engines.read().len() as i64);
             tracing::info!(%engine_id, "engine unregistered");
         }
         gone
@@ -163,7 +157,6 @@ impl Agent {
         let same = self
             .engines
             .read()
-            .unwrap()
             .get(engine_id)
             .is_some_and(|h| h.generation == generation);
         same && self.unregister(engine_id)
@@ -186,7 +179,7 @@ impl Agent {
     }
 
     pub(super) fn push_event(&self, engine_id: &str, ev: EngineEvent) {
-        let mut m = self.events.lock().unwrap();
+        let mut m = self.events.lock();
         let q = m.entry(engine_id.to_string()).or_default();
         if q.q.len() >= MAX_QUEUED_EVENTS {
             q.q.pop_front();
@@ -209,7 +202,7 @@ impl Agent {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notify = {
-                let mut m = self.events.lock().unwrap();
+                let mut m = self.events.lock();
                 let Some(q) = m.get_mut(engine_id) else {
                     return Err(ApiError::new(
                         ErrorKind::UnknownEngine,

@@ -26,10 +26,10 @@ impl Agent {
         let r = self
             .leases
             .lock()
-            .unwrap()
             .retain(engine_id, request_id, block_ids, ttl_ms, now)
             .map_err(lease_err);
         self.update_lease_gauge();
+        self.lease_changed.notify_one();
         r
     }
 
@@ -46,14 +46,14 @@ impl Agent {
         request_id: &str,
         lease_ms: u64,
     ) -> Result<LeaseInfo, ApiError> {
-        if self.engines.read().unwrap().contains_key(owner_engine_id) {
+        if self.engines.read().contains_key(owner_engine_id) {
             return self.renew_local(owner_engine_id, request_id, lease_ms);
         }
         let peer = match self.peer_of_engine(owner_engine_id) {
             Some(p) => p,
             None => {
                 // Registered since the last periodic discovery: ask the peers now.
-                crate::tasks::refresh_peers(self).await;
+                self.refresh_peers().await;
                 self.peer_of_engine(owner_engine_id).ok_or_else(|| {
                     ApiError::new(
                         ErrorKind::UnknownEngine,
@@ -62,7 +62,7 @@ impl Agent {
                 })?
             }
         };
-        let http = self.peers.read().unwrap().get(&peer).and_then(|p| p.http);
+        let http = self.peer_http(&peer);
         let http = http.ok_or_else(|| {
             ApiError::new(
                 ErrorKind::Internal,
@@ -70,8 +70,8 @@ impl Agent {
             )
         })?;
         let url = format!("http://{http}/v1/leases/renew");
-        let body = crate::http::RenewRequest {
-            version: crate::http::API_VERSION,
+        let body = kvloop_agent_api::peer::RenewRequest {
+            version: API_VERSION,
             engine_id: owner_engine_id.into(),
             request_id: request_id.into(),
             lease_ms,
@@ -105,11 +105,14 @@ impl Agent {
         lease_ms: u64,
     ) -> Result<LeaseInfo, ApiError> {
         let now = self.now_ms();
-        let mut t = self.leases.lock().unwrap();
+        let mut t = self.leases.lock();
         t.check_read(engine_id, request_id, now)
             .map_err(lease_err)?;
-        t.renew(engine_id, request_id, lease_ms, now)
-            .map_err(lease_err)
+        let r = t
+            .renew(engine_id, request_id, lease_ms, now)
+            .map_err(lease_err);
+        self.lease_changed.notify_one();
+        r
     }
 
     /// The owner releases blocks.
@@ -119,33 +122,39 @@ impl Agent {
     /// renewal holds them.
     pub fn release(&self, engine_id: &str, request_id: &str) -> Result<(), ApiError> {
         let now = self.now_ms();
-        let r = self
-            .leases
-            .lock()
-            .unwrap()
-            .release(engine_id, request_id, now);
+        let r = self.leases.lock().release(engine_id, request_id, now);
         self.update_lease_gauge();
         let r = r.map_err(lease_err)?;
         self.push_event(engine_id, EngineEvent::Released(r));
         Ok(())
     }
 
-    /// Expires lapsed leases and tells their owners (called by a timer).
-    pub fn expire_leases(&self) {
+    /// Expires lapsed leases and tells their owners (called by the lease
+    /// task). Returns the next expiry, ms on the agent's clock
+    /// ([`Agent::now_ms`]), or `None` when nothing is retained.
+    pub fn expire_leases(&self) -> Option<u64> {
         let now = self.now_ms();
-        let gone: Vec<Released> = self.leases.lock().unwrap().expire(now);
+        let (gone, next): (Vec<Released>, Option<u64>) = {
+            let mut t = self.leases.lock();
+            let gone = t.expire(now);
+            (gone, t.next_expiry_ms())
+        };
         for r in gone {
             tracing::debug!(engine_id = %r.engine_id, request_id = %r.request_id, "lease expired");
             let id = r.engine_id.clone();
             self.push_event(&id, EngineEvent::Released(r));
         }
         self.update_lease_gauge();
+        next
+    }
+
+    /// Waits until a lease is added or renewed.
+    pub async fn lease_changed(&self) {
+        self.lease_changed.notified().await;
     }
 
     pub(super) fn update_lease_gauge(&self) {
-        self.metrics
-            .leases
-            .set(self.leases.lock().unwrap().len() as i64);
+        self.metrics.leases.set(self.leases.lock().len() as i64);
     }
 }
 

@@ -10,15 +10,23 @@
 //! layouts (models) share a node. The probe engine is one more engine.
 mod engines;
 mod leases;
+mod links;
+mod model;
+mod peers;
 mod read;
 
+pub use kvloop_agent_api::peer::{API_VERSION, EngineAddr, EnginesInfo, PROBE_ENGINE_PREFIX};
+pub use model::bandwidth_alarm;
+pub use peers::PeerState;
 pub use read::dataplane_error;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, RwLock};
+
+use parking_lot::{Mutex, RwLock};
 use std::time::Duration;
 
 use kvloop_costmodel::{
@@ -28,7 +36,7 @@ use kvloop_costmodel::{
 use kvloop_dataplane::{
     EngineConfig, HostRegion, KvLayout, ReadOutcome, ReadRequest, TransferEngine,
 };
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::sync::Notify;
 
 use crate::config::AgentConfig;
@@ -36,46 +44,6 @@ use crate::lease::{LeaseError, LeaseInfo, LeaseTable, Released};
 use crate::metrics::{Metrics, labels};
 use crate::proto::{ApiError, EngineEvent, ErrorKind, ErrorOrigin, ReadDirection, RegionSource};
 use crate::pulls::{AlarmChange, PullOutcome};
-
-/// Prefix of the probe engine's id: `probe.<agent_id>`.
-pub const PROBE_ENGINE_PREFIX: &str = "probe.";
-
-/// What a peer agent says about itself at `GET /v1/engines`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct EnginesInfo {
-    /// Agent-to-agent API version ([`crate::http::API_VERSION`]).
-    pub version: u32,
-    /// The agent's id.
-    pub agent_id: String,
-    /// Its probe engine (id, side channel), when probes run.
-    pub probe: Option<EngineAddr>,
-    /// Engines it hosts.
-    pub engines: Vec<EngineAddr>,
-}
-
-/// An engine id and its side-channel address.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EngineAddr {
-    /// Engine id.
-    pub engine_id: String,
-    /// Side channel.
-    pub side_channel: SocketAddr,
-}
-
-/// What the agent knows about a peer agent.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct PeerState {
-    /// Its HTTP address.
-    pub http: Option<SocketAddr>,
-    /// Its last `/v1/engines` answer.
-    pub info: Option<EnginesInfo>,
-    /// Local interface of the path.
-    pub interface: Option<String>,
-    /// `false` while the link under the path is down.
-    pub path_valid: bool,
-    /// Bandwidth alarm raised.
-    pub alarm: bool,
-}
 
 struct Hosted {
     engine: TransferEngine,
@@ -100,34 +68,39 @@ struct EventQueue {
 /// Most events queued per engine; older ones are dropped first.
 const MAX_QUEUED_EVENTS: usize = 65536;
 
-/// The agent.
+/// The agent: configuration, hosted engines, leases, events, the cost
+/// model, the peer table, probes and metrics. Its state is private: the
+/// local API ([`crate::server`]), the HTTP API ([`crate::http`]) and the
+/// background tasks ([`crate::tasks`]) act through its methods.
 pub struct Agent {
-    /// Configuration in force.
-    pub cfg: AgentConfig,
+    cfg: AgentConfig,
     start: std::time::Instant,
     engines: RwLock<HashMap<String, Hosted>>,
     leases: Mutex<LeaseTable>,
+    /// Wakes the lease task when a lease was added or renewed (its next
+    /// expiry may be earlier than the one it sleeps until).
+    lease_changed: Notify,
     events: Mutex<HashMap<String, EventQueue>>,
-    /// The cost model (sans-IO; driven by [`crate::tasks`]).
-    pub model: Mutex<CostModel>,
+    /// The cost model (sans-IO; refitted at its `poll_timeout` by the
+    /// model task).
+    model: Mutex<CostModel>,
     /// Peer agents by name.
-    pub peers: RwLock<HashMap<String, PeerState>>,
+    peers: RwLock<HashMap<String, PeerState>>,
     /// The probe engine, when probes run.
-    pub probe_engine: Option<TransferEngine>,
+    probe_engine: Option<TransferEngine>,
     /// eBPF probes (or their user-space fallback).
-    pub probes: kvloop_probes::Probes,
-    /// Metrics.
-    pub metrics: Metrics,
+    probes: kvloop_probes::Probes,
+    metrics: Metrics,
     /// HTTP client for peers and routers.
-    pub http: reqwest::Client,
+    http: reqwest::Client,
     /// Sequence of threshold pushes.
-    pub push_seq: AtomicU64,
+    push_seq: AtomicU64,
     /// Wakes the push task at once (a path was invalidated).
-    pub push_now: Notify,
+    push_now: Notify,
     /// The agent's own READs are timed in the kernel (eBPF loaded and its
     /// READ-site uprobes attached); otherwise they are timed in user space
     /// and labelled `source="userspace"`.
-    pub reads_timed_in_kernel: bool,
+    reads_timed_in_kernel: bool,
     next_generation: AtomicU64,
     /// Consecutive unread pulls per (reader, owner) pair.
     pulls: Mutex<crate::pulls::PullTracker>,
@@ -218,6 +191,7 @@ impl Agent {
         }
         Ok(Arc::new(Self {
             leases: Mutex::new(LeaseTable::new(cfg.lease)),
+            lease_changed: Notify::new(),
             cfg,
             start: std::time::Instant::now(),
             engines: RwLock::new(HashMap::new()),
@@ -236,6 +210,31 @@ impl Agent {
         }))
     }
 
+    /// Configuration in force.
+    pub fn config(&self) -> &AgentConfig {
+        &self.cfg
+    }
+
+    /// The agent's metrics (registered by `main` with the probes').
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The eBPF probes (or their user-space fallback).
+    pub fn probes(&self) -> &kvloop_probes::Probes {
+        &self.probes
+    }
+
+    /// The probe engine, when probes run.
+    pub fn probe_engine(&self) -> Option<&TransferEngine> {
+        self.probe_engine.as_ref()
+    }
+
+    /// The HTTP client for peers and routers (connect timeout 1 s).
+    pub fn http_client(&self) -> &reqwest::Client {
+        &self.http
+    }
+
     /// Milliseconds since the agent started (its only clock for leases).
     pub fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
@@ -251,7 +250,6 @@ impl Agent {
         let engines = self
             .engines
             .read()
-            .unwrap()
             .iter()
             .map(|(id, h)| EngineAddr {
                 engine_id: id.clone(),
@@ -259,7 +257,7 @@ impl Agent {
             })
             .collect();
         EnginesInfo {
-            version: crate::http::API_VERSION,
+            version: API_VERSION,
             agent_id: self.cfg.agent_id.clone(),
             probe: self.probe_engine.as_ref().map(|e| EngineAddr {
                 engine_id: e.engine_id().to_string(),
@@ -269,28 +267,9 @@ impl Agent {
         }
     }
 
-    /// The peer agent hosting `engine_id` (from the peers' engine lists).
-    /// An id of exactly [`kvloop_common::PEER_LEN`] bytes also matches the
-    /// longer ids it is a prefix of (probe samples carry truncated ids).
-    pub fn peer_of_engine(&self, engine_id: &str) -> Option<String> {
-        let truncated = engine_id.len() == kvloop_common::PEER_LEN;
-        let m = |id: &str| id == engine_id || (truncated && id.starts_with(engine_id));
-        let peers = self.peers.read().unwrap();
-        peers
-            .iter()
-            .find(|(_, p)| {
-                p.info.as_ref().is_some_and(|i| {
-                    i.engines.iter().any(|e| m(&e.engine_id))
-                        || i.probe.as_ref().is_some_and(|e| m(&e.engine_id))
-                })
-            })
-            .map(|(n, _)| n.clone())
-    }
-
     fn engine(&self, engine_id: &str) -> Result<TransferEngine, ApiError> {
         self.engines
             .read()
-            .unwrap()
             .get(engine_id)
             .map(|h| h.engine.clone())
             .ok_or_else(|| {
@@ -321,7 +300,6 @@ impl Agent {
         };
         self.model
             .lock()
-            .unwrap()
             .record_prefill(engine_id, s)
             .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
     }
@@ -332,7 +310,7 @@ impl Agent {
     /// `bad_request` when the pair is unknown.
     pub fn explain(&self, p: &str, d: &str) -> Result<(String, serde_json::Value), ApiError> {
         let now = self.now();
-        let m = self.model.lock().unwrap();
+        let m = self.model.lock();
         let ex = m.explain(p, d, now).ok_or_else(|| {
             ApiError::new(
                 ErrorKind::BadRequest,
@@ -346,7 +324,7 @@ impl Agent {
     /// Status as JSON.
     pub fn status(&self) -> serde_json::Value {
         let now = self.now();
-        let m = self.model.lock().unwrap();
+        let m = self.model.lock();
         let thresholds: Vec<_> = m
             .pair_thresholds(Duration::from_millis(self.cfg.valid_for_ms()))
             .into_iter()
@@ -358,7 +336,6 @@ impl Agent {
         let peers: serde_json::Map<String, serde_json::Value> = self
             .peers
             .read()
-            .unwrap()
             .iter()
             .map(|(n, p)| {
                 let fit = m.transfer_fit(n, CmDirection::Inbound, now);
@@ -378,7 +355,7 @@ impl Agent {
         serde_json::json!({
             "agent_id": self.cfg.agent_id,
             "engines": self.engines_info(),
-            "leases": self.leases.lock().unwrap().len(),
+            "leases": self.leases.lock().len(),
             "ebpf": self.probes.source() == kvloop_probes::Source::Ebpf,
             "read_timing": self.read_timing_label(),
             "peers": peers,
@@ -398,7 +375,7 @@ impl Agent {
 
     /// Drops every hosted engine (shutdown).
     pub fn shutdown(&self) {
-        self.engines.write().unwrap().clear();
+        self.engines.write().clear();
     }
 }
 

@@ -108,7 +108,7 @@ impl Agent {
                 ("reason", outcome.reason_label()),
             ]))
             .inc();
-        let change = self.pulls.lock().unwrap().record(reader, owner, outcome);
+        let change = self.pulls.lock().record(reader, owner, outcome);
         let alarm = self
             .metrics
             .pull_alarm
@@ -145,7 +145,6 @@ impl Agent {
         if let Err(e) = self
             .model
             .lock()
-            .unwrap()
             .record_transfer(peer, CmDirection::Inbound, s)
         {
             tracing::debug!(error = %e, "transfer sample rejected");

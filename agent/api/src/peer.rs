@@ -1,0 +1,88 @@
+//! The agent-to-agent HTTP API's wire types (`/v1/...` on each agent's
+//! HTTP port): what one node agent asks of another. Served by the agent's
+//! `http` module; asked by its peer discovery and lease renewals, and by
+//! `kvloop doctor` / `kvloop top`.
+//!
+//! Kept here, beside the local API, so that the agent's server, its peer
+//! client and the operator tools share one definition.
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the agent-to-agent API; requests carrying another are
+/// refused with `ErrorKind::Version`, peers answering with another are
+/// ignored.
+pub const API_VERSION: u32 = 1;
+
+/// Prefix of the probe engine's id: `probe.<agent_id>`.
+pub const PROBE_ENGINE_PREFIX: &str = "probe.";
+
+/// What a peer agent says about itself at `GET /v1/engines`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EnginesInfo {
+    /// Agent-to-agent API version ([`API_VERSION`]).
+    pub version: u32,
+    /// The agent's id.
+    pub agent_id: String,
+    /// Its probe engine (id, side channel), when probes run.
+    pub probe: Option<EngineAddr>,
+    /// Engines it hosts.
+    pub engines: Vec<EngineAddr>,
+}
+
+/// An engine id and its side-channel address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineAddr {
+    /// Engine id.
+    pub engine_id: String,
+    /// Side channel (`host:port` of the engine's dataplane handshake).
+    pub side_channel: SocketAddr,
+}
+
+/// Body of `POST /v1/leases/renew`: a reader's agent asks the owner's agent
+/// to extend the lease of blocks it is about to READ.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    /// [`API_VERSION`] of the caller.
+    pub version: u32,
+    /// Owner engine id (hosted by the answering agent).
+    pub engine_id: String,
+    /// Owner request id.
+    pub request_id: String,
+    /// Requested lease, ms.
+    pub lease_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renew_request_refuses_unknown_fields_by_name() {
+        let ok: RenewRequest =
+            serde_json::from_str(r#"{"version":1,"engine_id":"d0","request_id":"r","lease_ms":5}"#)
+                .unwrap();
+        assert_eq!(ok.lease_ms, 5);
+        let e = serde_json::from_str::<RenewRequest>(
+            r#"{"version":1,"engine_id":"d0","request_id":"r","lease_ms":5,"x":1}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("unknown field `x`"), "{e}");
+    }
+
+    #[test]
+    fn engines_info_round_trips() {
+        let i = EnginesInfo {
+            version: API_VERSION,
+            agent_id: "node-a".into(),
+            probe: Some(EngineAddr {
+                engine_id: format!("{PROBE_ENGINE_PREFIX}node-a"),
+                side_channel: "10.0.0.1:5600".parse().unwrap(),
+            }),
+            engines: vec![],
+        };
+        let back: EnginesInfo = serde_json::from_str(&serde_json::to_string(&i).unwrap()).unwrap();
+        assert_eq!(back, i);
+    }
+}

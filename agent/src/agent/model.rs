@@ -1,0 +1,234 @@
+//! The cost model's inputs and outputs as the agent drives them: refits at
+//! the model's `poll_timeout` (publishing thresholds, path bandwidth and the
+//! bandwidth alarm), the threshold update pushed to routers, and the
+//! kernel-timed samples drained from the eBPF probes.
+use std::sync::atomic::Ordering;
+
+use kvloop_dataplane::BackendConfig;
+use kvloop_router_api::ThresholdUpdate;
+
+use super::*;
+
+/// Bandwidth alarm rule (pure): fitted bandwidth below `ratio` × expected,
+/// only once the bandwidth is identified by the fit.
+pub fn bandwidth_alarm(
+    fitted_bytes_per_s: f64,
+    identified: bool,
+    expected: f64,
+    ratio: f64,
+) -> bool {
+    identified && fitted_bytes_per_s.is_finite() && fitted_bytes_per_s < ratio * expected
+}
+
+impl Agent {
+    /// Refits the cost model now: logs and counts threshold changes,
+    /// publishes thresholds, path bandwidth and fixed cost, and raises or
+    /// clears the bandwidth alarm per peer. Returns when to refit next
+    /// (the model's `poll_timeout`, on the model's clock [`Agent::now`]).
+    pub fn refit(&self) -> Option<Instant> {
+        let now = self.now();
+        let (changes, thresholds, next) = {
+            let mut m = self.model.lock();
+            let c = m.update(now);
+            (
+                c,
+                m.pair_thresholds(Duration::from_millis(1)),
+                m.poll_timeout(),
+            )
+        };
+        for c in changes {
+            tracing::info!(
+                prefill = %c.prefill_engine_id, decode = %c.decode_engine_id,
+                from = c.change.from_tokens, to = c.change.to_tokens,
+                reason = ?c.change.reason, "recompute threshold changed"
+            );
+            self.metrics
+                .threshold_changes
+                .get_or_create(&labels(&[
+                    ("prefill", &c.prefill_engine_id),
+                    ("decode", &c.decode_engine_id),
+                ]))
+                .inc();
+        }
+        for t in thresholds {
+            self.metrics
+                .threshold
+                .get_or_create(&labels(&[
+                    ("prefill", &t.prefill_engine_id),
+                    ("decode", &t.decode_engine_id),
+                ]))
+                .set(t.threshold_tokens as i64);
+        }
+        for peer in self.peer_names() {
+            self.publish_path_fit(&peer, now);
+        }
+        next
+    }
+
+    fn publish_path_fit(&self, peer: &str, now: Instant) {
+        let fit = self
+            .model
+            .lock()
+            .transfer_fit(peer, CmDirection::Inbound, now);
+        let Some(fit) = fit else { return };
+        let bw = fit.coefficients.bandwidth_bytes_per_s();
+        let l = labels(&[("peer", peer)]);
+        self.metrics.path_bandwidth.get_or_create(&l).set(bw);
+        self.metrics
+            .path_fixed_ms
+            .get_or_create(&l)
+            .set(fit.coefficients.fixed_ms);
+        let expected = self.expected_bandwidth(peer);
+        let alarm = bandwidth_alarm(
+            bw,
+            fit.summary.identified[1],
+            expected,
+            self.cfg.probe.alarm_ratio,
+        );
+        let was = self
+            .peers
+            .write()
+            .get_mut(peer)
+            .map(|p| std::mem::replace(&mut p.alarm, alarm))
+            .unwrap_or(false);
+        if alarm && !was {
+            tracing::warn!(
+                %peer, fitted_gbit_s = bw * 8e-9, expected_gbit_s = expected * 8e-9,
+                "path bandwidth far below what the provider should give (fallback to a slow path?)"
+            );
+        } else if !alarm && was {
+            tracing::info!(%peer, fitted_gbit_s = bw * 8e-9, "path bandwidth back to normal");
+        }
+        self.metrics.path_alarm.get_or_create(&l).set(alarm as i64);
+    }
+
+    /// Bandwidth a provider should give on this node, bytes/s (for the
+    /// alarm): `probe.expected_bandwidth_bytes_per_s` when set; else
+    /// 12.5e9 (100 Gbit/s) for `efa`, 5e9 for `shm`, the path interface's
+    /// sysfs speed for other libfabric providers (1.25e9 when unknown),
+    /// 1.25e9 for NIXL.
+    pub fn expected_bandwidth(&self, peer: &str) -> f64 {
+        let cfg = &self.cfg.probe;
+        if cfg.expected_bandwidth_bytes_per_s > 0.0 {
+            return cfg.expected_bandwidth_bytes_per_s;
+        }
+        match &self.cfg.backend {
+            BackendConfig::Libfabric(f) if f.provider.starts_with("efa") => 12.5e9,
+            BackendConfig::Libfabric(f) if f.provider.starts_with("shm") => 5e9,
+            BackendConfig::Libfabric(_) => self
+                .peer_interface(peer)
+                .and_then(|i| crate::netstate::sysfs_speed_mbps(&i))
+                .map(|mbps| mbps as f64 * 125_000.0)
+                .unwrap_or(1.25e9),
+            BackendConfig::Nixl(_) => 1.25e9,
+        }
+    }
+
+    /// The next threshold update to push to the routers (every pair's
+    /// threshold, valid for `valid_for_ms`), with the next push sequence
+    /// number.
+    pub fn threshold_update(&self) -> ThresholdUpdate {
+        let pairs = self
+            .model
+            .lock()
+            .pair_thresholds(Duration::from_millis(self.cfg.valid_for_ms()));
+        ThresholdUpdate {
+            agent_id: self.cfg.agent_id.clone(),
+            seq: self.push_seq.fetch_add(1, Ordering::Relaxed),
+            pairs,
+        }
+    }
+
+    /// Waits until a push is wanted at once (a path was invalidated).
+    pub async fn push_wanted(&self) {
+        self.push_now.notified().await;
+    }
+
+    /// Feeds kernel-timed samples to the cost model: prefills on the
+    /// configured `prefill_ports` (with their token counts), and the
+    /// transfers [`crate::observe::attribute`] gives a peer (the agent's own
+    /// READs; stock engines' NIXL transfers in observe mode, for processes
+    /// `in_scope` says are on this node). Every transfer is counted in
+    /// `kvloop_agent_kernel_transfers{site, result}`.
+    pub fn ingest_kernel_samples(
+        &self,
+        snap: kvloop_probes::Snapshot,
+        own_pid: u32,
+        in_scope: &dyn Fn(u32) -> bool,
+    ) {
+        for p in snap.prefills {
+            let Some(engine) = self.cfg.prefill_ports.iter().find(|x| x.port == p.port) else {
+                continue;
+            };
+            let Ok(tokens) = p.tokens else { continue };
+            if p.latency_ns == 0 || tokens.reused_tokens >= tokens.prompt_tokens {
+                continue;
+            }
+            let s = PrefillSample {
+                at: self.now(),
+                prompt_tokens: tokens.prompt_tokens,
+                reused_tokens: tokens.reused_tokens,
+                latency: Duration::from_nanos(p.latency_ns),
+                source: SampleSource::Ebpf,
+            };
+            let _ = self.model.lock().record_prefill(&engine.engine_id, s);
+        }
+        if snap.xfers.is_empty() {
+            return;
+        }
+        let names = self.peer_names();
+        let sole_peer = (names.len() == 1).then(|| names[0].as_str());
+        let peer_of = |id: &str| {
+            self.peer_of_engine(id)
+                .or_else(|| self.pair_decode_peer(id))
+        };
+        let cx = crate::observe::Context {
+            own_pid,
+            in_scope,
+            peer_of: &peer_of,
+            sole_peer,
+        };
+        for x in snap.xfers {
+            let result = match crate::observe::attribute(&x, &cx) {
+                Ok((peer, dir)) => {
+                    let s = TransferSample {
+                        at: self.now(),
+                        bytes: x.bytes,
+                        descriptors: x.descriptors as u64,
+                        latency: Duration::from_nanos(x.latency_ns),
+                        source: SampleSource::Ebpf,
+                    };
+                    let _ = self.model.lock().record_transfer(&peer, dir, s);
+                    "recorded"
+                }
+                Err(skip) => skip.as_str(),
+            };
+            self.metrics
+                .kernel_transfers
+                .get_or_create(&labels(&[("site", x.site), ("result", result)]))
+                .inc();
+        }
+    }
+
+    /// The decode peer of a configured pair whose decode engine id is `id`
+    /// (or starts with a [`kvloop_common::PEER_LEN`]-byte truncated `id`).
+    fn pair_decode_peer(&self, id: &str) -> Option<String> {
+        let truncated = id.len() == kvloop_common::PEER_LEN;
+        self.cfg
+            .pairs
+            .iter()
+            .find(|p| p.decode_engine_id == id || (truncated && p.decode_engine_id.starts_with(id)))
+            .map(|p| p.decode_peer.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn alarm_only_when_identified_and_far_below() {
+        use super::bandwidth_alarm;
+        assert!(bandwidth_alarm(1e8, true, 12.5e9, 0.1));
+        assert!(!bandwidth_alarm(1e8, false, 12.5e9, 0.1));
+        assert!(!bandwidth_alarm(2e9, true, 12.5e9, 0.1));
+    }
+}

@@ -1,0 +1,162 @@
+//! The peer table: what this agent knows of the other node agents (their
+//! HTTP address, engines and probe engine, the path's interface and
+//! state), filled by asking each peer's `GET /v1/engines`.
+use super::*;
+
+/// What the agent knows about a peer agent.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeerState {
+    /// Its HTTP address.
+    pub http: Option<SocketAddr>,
+    /// Its last `/v1/engines` answer.
+    pub info: Option<EnginesInfo>,
+    /// Local interface of the path.
+    pub interface: Option<String>,
+    /// `false` while the link under the path is down.
+    pub path_valid: bool,
+    /// Bandwidth alarm raised.
+    pub alarm: bool,
+}
+
+impl Agent {
+    /// Asks every peer agent for its engines once (`GET /v1/engines`); the
+    /// discovery task calls it every second, and a READ or a renewal calls
+    /// it on demand when it names an engine no known peer hosts (an engine
+    /// registered since the last periodic query).
+    pub async fn refresh_peers(&self) {
+        let peers: Vec<(String, SocketAddr)> = self
+            .peers
+            .read()
+            .iter()
+            .filter_map(|(n, p)| p.http.map(|h| (n.clone(), h)))
+            .collect();
+        for (name, http) in peers {
+            self.discover_peer(&name, http).await;
+        }
+    }
+
+    /// Queries one peer agent's engines and records them (no connecting: a
+    /// READ may be waiting on this).
+    async fn discover_peer(&self, name: &str, http: SocketAddr) {
+        let url = format!("http://{http}/v1/engines");
+        let info = match self.http.get(&url).send().await {
+            Ok(r) if r.status().is_success() => r.json::<EnginesInfo>().await.ok(),
+            Ok(r) => {
+                tracing::debug!(peer = %name, status = %r.status(), "peer engines query failed");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(peer = %name, error = %e, "peer unreachable");
+                None
+            }
+        };
+        let Some(info) = info else { return };
+        let own_probe = self.probe_engine.as_ref().map(|e| e.side_channel_addr());
+        if info.agent_id == self.cfg.agent_id
+            || (own_probe.is_some() && info.probe.as_ref().map(|p| p.side_channel) == own_probe)
+        {
+            // A peers[] entry that reaches this agent itself under another
+            // name or address (a shared peer list): never probe oneself.
+            tracing::info!(peer = %name, %http, "peers[]: entry is this agent itself; skipped");
+            self.peers.write().remove(name);
+            self.metrics.path_valid.remove(&labels(&[("peer", name)]));
+            return;
+        }
+        if info.version != API_VERSION {
+            tracing::warn!(peer = %name, version = info.version, "peer speaks another agent API version; ignored");
+            return;
+        }
+        if let Some(p) = self.peers.write().get_mut(name) {
+            p.info = Some(info);
+        }
+    }
+
+    /// Connects the probe engine to every known peer's probe engine not
+    /// connected yet (the discovery task's job, never a READ's).
+    pub async fn connect_probe_paths(&self) {
+        let Some(pe) = &self.probe_engine else {
+            return;
+        };
+        let theirs: Vec<(String, EngineAddr)> = self
+            .peers
+            .read()
+            .iter()
+            .filter_map(|(n, p)| {
+                p.info
+                    .as_ref()
+                    .and_then(|i| i.probe.clone())
+                    .map(|pr| (n.clone(), pr))
+            })
+            .collect();
+        let connected = pe.peers();
+        for (name, pr) in theirs {
+            if connected.contains(&pr.engine_id) {
+                continue;
+            }
+            match pe.connect(pr.side_channel).await {
+                Ok(_) => {
+                    tracing::info!(peer = %name, side_channel = %pr.side_channel, "probe path connected")
+                }
+                Err(e) => tracing::warn!(peer = %name, error = %e, "probe path connect failed"),
+            }
+        }
+    }
+
+    /// The peers to probe now: `(peer name, its probe engine id)` of every
+    /// peer whose path is valid and whose probe engine the probe engine is
+    /// connected to.
+    pub fn probe_targets(&self) -> Vec<(String, String)> {
+        let Some(pe) = &self.probe_engine else {
+            return Vec::new();
+        };
+        let connected = pe.peers();
+        self.peers
+            .read()
+            .iter()
+            .filter(|(_, s)| s.path_valid)
+            .filter_map(|(n, s)| {
+                s.info
+                    .as_ref()
+                    .and_then(|i| i.probe.as_ref())
+                    .map(|pr| (n.clone(), pr.engine_id.clone()))
+            })
+            .filter(|(_, id)| connected.contains(id))
+            .collect()
+    }
+
+    /// Names of the peer agents.
+    pub fn peer_names(&self) -> Vec<String> {
+        self.peers.read().keys().cloned().collect()
+    }
+
+    /// The local interface of the path to `peer`, when known.
+    pub fn peer_interface(&self, peer: &str) -> Option<String> {
+        self.peers
+            .read()
+            .get(peer)
+            .and_then(|p| p.interface.clone())
+    }
+
+    /// The peer agent hosting `engine_id` (from the peers' engine lists).
+    /// An id of exactly [`kvloop_common::PEER_LEN`] bytes also matches the
+    /// longer ids it is a prefix of (probe samples carry truncated ids).
+    pub fn peer_of_engine(&self, engine_id: &str) -> Option<String> {
+        let truncated = engine_id.len() == kvloop_common::PEER_LEN;
+        let m = |id: &str| id == engine_id || (truncated && id.starts_with(engine_id));
+        let peers = self.peers.read();
+        peers
+            .iter()
+            .find(|(_, p)| {
+                p.info.as_ref().is_some_and(|i| {
+                    i.engines.iter().any(|e| m(&e.engine_id))
+                        || i.probe.as_ref().is_some_and(|e| m(&e.engine_id))
+                })
+            })
+            .map(|(n, _)| n.clone())
+    }
+
+    /// The HTTP address of peer agent `peer`.
+    pub(super) fn peer_http(&self, peer: &str) -> Option<SocketAddr> {
+        self.peers.read().get(peer).and_then(|p| p.http)
+    }
+}

@@ -1,0 +1,133 @@
+//! Active probes: per round and peer, one small and one large READ of the
+//! peer's probe engine, rate-limited per peer ([`RateLimit`]).
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvloop_costmodel::SampleSource;
+use kvloop_dataplane::{BlockPair, ReadRequest};
+
+use crate::agent::Agent;
+use crate::metrics::labels;
+
+/// Token bucket of one peer's probe traffic.
+#[derive(Debug, Clone, Copy)]
+pub struct RateLimit {
+    rate_bytes_per_s: f64,
+    burst_bytes: f64,
+    tokens: f64,
+    last_ms: u64,
+}
+
+impl RateLimit {
+    /// A bucket of `rate` bytes/s with a burst of one second of it (at least
+    /// `min_burst_bytes`, so one round always fits).
+    pub fn new(rate_bytes_per_s: u64, min_burst_bytes: u64, now_ms: u64) -> Self {
+        let burst = (rate_bytes_per_s as f64).max(min_burst_bytes as f64);
+        Self {
+            rate_bytes_per_s: rate_bytes_per_s as f64,
+            burst_bytes: burst,
+            tokens: burst,
+            last_ms: now_ms,
+        }
+    }
+
+    /// Takes `bytes` if available at `now_ms`.
+    pub fn try_take(&mut self, bytes: u64, now_ms: u64) -> bool {
+        let dt = now_ms.saturating_sub(self.last_ms) as f64 / 1e3;
+        self.last_ms = now_ms;
+        self.tokens = (self.tokens + dt * self.rate_bytes_per_s).min(self.burst_bytes);
+        if self.tokens >= bytes as f64 {
+            self.tokens -= bytes as f64;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Active probes: per round and peer, one small and one large READ of the
+/// peer's probe engine, shaped like KV transfers (the probe layout's block
+/// size and regions), recorded as [`SampleSource::ActiveProbe`].
+pub async fn run(agent: Arc<Agent>) {
+    let Some(pe) = agent.probe_engine().cloned() else {
+        return;
+    };
+    let p = agent.config().probe.clone();
+    let bytes_per_block = p.block_len_bytes * p.num_regions as u64;
+    let round_bytes = (p.small_blocks + p.large_blocks) as u64 * bytes_per_block;
+    let mut buckets: HashMap<String, RateLimit> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(p.period_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut round: u64 = 0;
+    loop {
+        tick.tick().await;
+        round += 1;
+        for (peer, engine_id) in agent.probe_targets() {
+            let now = agent.now_ms();
+            let b = buckets
+                .entry(peer.clone())
+                .or_insert_with(|| RateLimit::new(p.max_bytes_per_s, round_bytes, now));
+            if !b.try_take(round_bytes, now) {
+                agent
+                    .metrics()
+                    .probe_skipped
+                    .get_or_create(&labels(&[("peer", &peer)]))
+                    .inc();
+                continue;
+            }
+            // Vary the blocks between rounds so that nothing is cached.
+            let off = (round % p.num_blocks as u64) as u32;
+            for (size, n) in [("small", p.small_blocks), ("large", p.large_blocks)] {
+                let blocks: Vec<BlockPair> = (0..n)
+                    .map(|i| {
+                        let b = ((off + i) % p.num_blocks) as u64;
+                        BlockPair {
+                            remote: b,
+                            local: b,
+                        }
+                    })
+                    .collect();
+                let r = pe
+                    .read(&ReadRequest {
+                        peer_engine_id: engine_id.clone(),
+                        blocks,
+                        direction: kvloop_common::Direction::Probe,
+                        notify: None,
+                        timeout_ms: Some(agent.config().read_timeout_ms.max(10_000)),
+                    })
+                    .await;
+                let result = if r.is_ok() { "ok" } else { "error" };
+                agent
+                    .metrics()
+                    .probe_reads
+                    .get_or_create(&labels(&[
+                        ("peer", &peer),
+                        ("size", size),
+                        ("result", result),
+                    ]))
+                    .inc();
+                match r {
+                    Ok(o) => agent.record_own_read(&peer, &o, SampleSource::ActiveProbe),
+                    Err(e) => tracing::debug!(%peer, error = %e, "probe READ failed"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limit_refills_at_rate() {
+        let mut b = RateLimit::new(1000, 500, 0);
+        assert!(b.try_take(1000, 0));
+        assert!(!b.try_take(1, 0));
+        assert!(!b.try_take(600, 500)); // 500 refilled
+        assert!(b.try_take(500, 500));
+        assert!(b.try_take(1000, 5000)); // capped at burst
+        assert!(!b.try_take(1, 5000));
+    }
+}
