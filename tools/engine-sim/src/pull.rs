@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use kvloop_router_api::{BlockIds, KvTransferParams, ParamsError};
 use serde_json::Value;
 use tracing::warn;
 
@@ -124,8 +125,8 @@ impl Engine {
         }
         let req = match self.read_request(p, prompt_tokens, expect_from_decode) {
             Ok(r) => r,
-            Err(field) => {
-                warn!(engine = %self.cfg.engine_id, %field, "invalid kv_transfer_params; recomputing locally");
+            Err(e) => {
+                warn!(engine = %self.cfg.engine_id, error = %e, "invalid kv_transfer_params; recomputing locally");
                 self.stats.invalid_params.fetch_add(1, Ordering::Relaxed);
                 return None;
             }
@@ -136,76 +137,53 @@ impl Engine {
         Some(req)
     }
 
+    /// The READ of typed params ([`KvTransferParams`], the protocol
+    /// crate's parser: the router and the engines read params one way).
+    ///
+    /// # Errors
+    /// The [`ParamsError`] naming the first bad field; `remote_host` must be
+    /// a non-empty string here, and `remote_num_tokens` present on D→P.
     fn read_request(
         &self,
         p: &Value,
         prompt_tokens: u64,
         from_decode: bool,
-    ) -> Result<ReadRequest, &'static str> {
-        let blocks = flat_block_ids(p.get("remote_block_ids"))?;
-        let engine = p
-            .get("remote_engine_id")
-            .and_then(Value::as_str)
-            .ok_or("remote_engine_id")?;
-        let host = p
-            .get("remote_host")
-            .and_then(Value::as_str)
+    ) -> Result<ReadRequest, ParamsError> {
+        let kv = KvTransferParams::parse(&p.to_string())?;
+        let host = kv
+            .remote_host
             .filter(|h| !h.is_empty())
-            .ok_or("remote_host")?;
-        let port = p
-            .get("remote_port")
-            .and_then(Value::as_u64)
-            .and_then(|v| u16::try_from(v).ok())
-            .ok_or("remote_port")?;
-        let rid = p
-            .get("remote_request_id")
-            .and_then(Value::as_str)
-            .ok_or("remote_request_id")?;
-        let held = p.get("remote_num_tokens").and_then(Value::as_u64);
+            .ok_or(ParamsError {
+                field: "remote_host",
+                expected: "a non-empty string",
+            })?;
         let num_tokens = if from_decode {
             // D→P: count = min(remote_num_tokens, prompt_tokens); nothing cached locally.
-            held.ok_or("remote_num_tokens")?.min(prompt_tokens)
+            kv.remote_num_tokens
+                .ok_or(ParamsError {
+                    field: "remote_num_tokens",
+                    expected: "a non-negative integer (D's held tokens)",
+                })?
+                .min(prompt_tokens)
         } else {
-            held.unwrap_or(prompt_tokens).min(prompt_tokens)
+            kv.remote_num_tokens
+                .unwrap_or(prompt_tokens)
+                .min(prompt_tokens)
+        };
+        let remote_block_ids = match kv.remote_block_ids {
+            BlockIds::Grouped(g) => g.into_iter().flatten().collect(),
+            BlockIds::Flat(f) => f,
         };
         Ok(ReadRequest {
             reader_engine_id: self.cfg.engine_id.clone(),
-            remote_engine_id: engine.into(),
-            remote_host: host.into(),
-            remote_port: port,
-            remote_request_id: rid.into(),
-            remote_block_ids: blocks,
+            remote_engine_id: kv.remote_engine_id,
+            remote_host: host,
+            remote_port: kv.remote_port,
+            remote_request_id: kv.remote_request_id,
+            remote_block_ids,
             num_tokens,
             local_block_ids: Vec::new(),
             block_size_tokens: self.cfg.block_size_tokens,
         })
     }
-}
-
-/// `remote_block_ids` flattened over KV-cache groups (`[[1,2],[3]]` or
-/// `[1,2,3]`); the field's name when missing, empty or not block ids.
-fn flat_block_ids(v: Option<&Value>) -> Result<Vec<u32>, &'static str> {
-    let Some(Value::Array(a)) = v else {
-        return Err("remote_block_ids");
-    };
-    let id = |b: &Value| {
-        b.as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .ok_or("remote_block_ids")
-    };
-    let mut out = Vec::new();
-    for x in a {
-        match x {
-            Value::Array(g) => {
-                for b in g {
-                    out.push(id(b)?);
-                }
-            }
-            other => out.push(id(other)?),
-        }
-    }
-    if out.is_empty() {
-        return Err("remote_block_ids");
-    }
-    Ok(out)
 }
