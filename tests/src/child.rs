@@ -178,6 +178,11 @@ impl ReadyChild {
         Ok(me)
     }
 
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The value of `key` in the `READY` line.
     ///
     /// # Errors
