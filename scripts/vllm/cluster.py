@@ -5,12 +5,15 @@ Topology (two network namespaces created here, removed in `Cluster.stop`):
 
     root ns: kvloop-router (reuse on)  10.86.76.1:18000 -> taps -> engines
              kvloop-router (reuse off) 127.0.0.1:18001  -> engines directly
+             kvloop-router (pushes)    10.86.76.1:18002 -> engines directly, only
+                                       receives P's agent's threshold pushes
              taps (scripts/vllm/tap.py) 127.0.0.1:18100 -> P, :18200 -> D
              kvloop trace (uprobes on the engines' libnixl), the test client
     vl-p:    vLLM P (engine_id vl-p0) 0.0.0.0:8100, NIXL side channel 10.86.77.1:5600
-             kvloop-agent (observe mode, prefill probe on port 8100) 0.0.0.0:9470
+             kvloop-agent (observe mode: NIXL probes on the engines' libnixl,
+             prefill probe on port 8100; pushes to the pushes router) 0.0.0.0:9470
     vl-d:    vLLM D (engine_id vl-d0) 0.0.0.0:8200, NIXL side channel 10.86.77.2:5601
-             kvloop-agent 0.0.0.0:9470
+             kvloop-agent (observe mode, NIXL probes) 0.0.0.0:9470
     links:   vl-pd0 10.86.77.1 <-> vl-pd1 10.86.77.2 (P<->D, the KV path)
              vl-hp0 10.86.76.1 (root) <-> vl-hp1 10.86.76.2 (vl-p)
              vl-hd0 10.86.78.1 (root) <-> vl-hd1 10.86.78.2 (vl-d)
@@ -44,6 +47,9 @@ P_KV, D_KV = "10.86.77.1", "10.86.77.2"
 P_HOST, D_HOST = "10.86.76.2", "10.86.78.2"
 ROUTER_ON = "10.86.76.1:18000"
 ROUTER_OFF = "127.0.0.1:18001"
+#: Receives P's agent's threshold pushes and serves no traffic: a pushed
+#: threshold would change the reuse-on router's decisions under the tests.
+ROUTER_OBS = "10.86.76.1:18002"
 TAP_P, TAP_D = "127.0.0.1:18100", "127.0.0.1:18200"
 P_PORT, D_PORT = 8100, 8200
 P_SIDE, D_SIDE = 5600, 5601
@@ -343,6 +349,15 @@ block_size_tokens = {BLOCK_TOKENS}
         path.write_text(cfg)
         return path
 
+    def venv_nixl_libs(self) -> list[str]:
+        """The libnixl.so files of the vLLM venv's NIXL wheels (what the
+        engines will map), for the agents' `observe.nixl_libs`."""
+        site = sorted(VENV.glob("lib/python*/site-packages"))
+        libs = sorted({str(p.resolve()) for d in site for p in d.glob("*nixl*/**/libnixl.so")})
+        if not libs:
+            raise RuntimeError(f"no libnixl.so under {site} (is nixl installed in the vLLM venv?)")
+        return libs
+
     def agent_config(self, me: str) -> pathlib.Path:
         mine, other = (("vl-node-p", P_KV), ("vl-node-d", D_KV)) if me == "p" else (("vl-node-d", D_KV), ("vl-node-p", P_KV))
         prefill = f"""
@@ -360,6 +375,12 @@ backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm", bind_node = "{mine[1]
 [probe]
 period_ms = 1000
 
+# Both "nodes" are network namespaces of one kernel: count only the engine
+# processes in this agent's namespace.
+[observe]
+nixl_libs = {json.dumps(self.venv_nixl_libs())}
+scope = "netns"
+
 [[peers]]
 name = "{other[0]}"
 http = "{other[1]}:{AGENT_PORT}"
@@ -367,6 +388,10 @@ http = "{other[1]}:{AGENT_PORT}"
 """
         if me == "p":
             cfg += f"""
+[[routers]]
+url = "http://{ROUTER_OBS}"
+token = "vl-admin"
+
 [[pairs]]
 prefill_engine_id = "{P_ID}"
 decode_engine_id = "{D_ID}"
@@ -400,6 +425,9 @@ regions_per_block = 2
         self.spawn("router-off", [str(BIN / "kvloop-router"), "--config",
                                   str(self.router_config(ROUTER_OFF, 1 << 30, f"http://{P_HOST}:{P_PORT}",
                                                          f"http://{D_HOST}:{D_PORT}"))], rlog)
+        self.spawn("router-obs", [str(BIN / "kvloop-router"), "--config",
+                                  str(self.router_config(ROUTER_OBS, 1, f"http://{P_HOST}:{P_PORT}",
+                                                         f"http://{D_HOST}:{D_PORT}"))], rlog)
         deadline = time.time() + engine_timeout_s
         wait_http(f"http://{P_HOST}:{P_PORT}/health", deadline, [p, d])
         wait_http(f"http://{D_HOST}:{D_PORT}/health", deadline, [p, d])
@@ -407,6 +435,7 @@ regions_per_block = 2
             wait_http(f"http://{host}:{AGENT_PORT}/healthz", time.time() + 60, [self.procs[a]])
         wait_http(f"http://{ROUTER_ON}/health", time.time() + 60, [self.procs["router-on"]])
         wait_http(f"http://{ROUTER_OFF}/health", time.time() + 60, [self.procs["router-off"]])
+        wait_http(f"http://{ROUTER_OBS}/health", time.time() + 60, [self.procs["router-obs"]])
         self.find_engine_cores()
         self.start_trace()
         self.warm_up()
@@ -523,7 +552,7 @@ regions_per_block = 2
                 and any(p in line for p in pids)]
 
     def stop(self) -> None:
-        for name in ["trace", "router-on", "router-off", "tap-p", "tap-d", "agent-p", "agent-d", "vllm-p", "vllm-d"]:
+        for name in ["trace", "router-on", "router-off", "router-obs", "tap-p", "tap-d", "agent-p", "agent-d", "vllm-p", "vllm-d"]:
             p = self.procs.get(name)
             if p:
                 try:

@@ -71,10 +71,11 @@ def report():
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "report.json").write_text(json.dumps(r, indent=1))
     lines = ["| conversation | turns | pulled at router | D->P READs (vLLM NIXL metrics) | "
-             "NIXL events on P (kvloop trace) | output diff vs no-reuse (max |dlogprob|) |",
-             "|---|---|---|---|---|---|"]
+             "NIXL events on P (kvloop trace) | P's READs recorded by P's agent | "
+             "output diff vs no-reuse (max |dlogprob|) |",
+             "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
-        lines.append("| {name} | {turns} | {pulled} | {nixl} | {probe} | {diff} |".format(**row))
+        lines.append("| {name} | {turns} | {pulled} | {nixl} | {probe} | {agent} | {diff} |".format(**row))
     lines.append("")
     for k, v in r["figures"].items():
         lines.append(f"- {k}: {v}")

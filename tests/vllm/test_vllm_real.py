@@ -68,9 +68,16 @@ def probe_events(c: cl.Cluster, name: str) -> int:
     return len(c.trace_xfers(name))
 
 
+def agent_recorded(host: str) -> float:
+    """Engines' NIXL transfers the agent at `host` recorded for its cost
+    model (observe mode: its probes on the engines' libnixl)."""
+    m = cl.metrics(f"http://{host}:{cl.AGENT_PORT}/metrics")
+    return cl.metric_sum(m, "kvloop_agent_kernel_transfers_total", site="nixl", result="recorded")
+
+
 def snapshot(c: cl.Cluster) -> dict:
     return {"router": router_decisions(), "p": nixl_counts(c, "vllm-p"), "probe_p": probe_events(c, "vllm-p"),
-            "probe_d": probe_events(c, "vllm-d")}
+            "probe_d": probe_events(c, "vllm-d"), "agent_p": agent_recorded(cl.P_HOST)}
 
 
 def delta_when_settled(c: cl.Cluster, before: dict, expect_pulls: int, timeout_s: float = 40.0) -> dict:
@@ -85,8 +92,10 @@ def delta_when_settled(c: cl.Cluster, before: dict, expect_pulls: int, timeout_s
              "nixl_metrics": now["p"]["metrics"] - before["p"]["metrics"],
              "nixl_log": now["p"]["log"] - before["p"]["log"],
              "probe_p": now["probe_p"] - before["probe_p"],
-             "probe_d": now["probe_d"] - before["probe_d"]}
-        settled = d["nixl_metrics"] >= expect_pulls and d["probe_p"] >= expect_pulls
+             "probe_d": now["probe_d"] - before["probe_d"],
+             "agent_p": now["agent_p"] - before["agent_p"]}
+        settled = d["nixl_metrics"] >= expect_pulls and d["probe_p"] >= expect_pulls \
+            and d["agent_p"] >= expect_pulls
         if settled or time.time() > deadline:
             return d
         time.sleep(2)
@@ -115,11 +124,13 @@ def test_conversations_reuse_and_match(cluster, words, report):
         diffs = [max_logprob_diff(a, b) for a, b in zip(on, off)]
         report["rows"].append({"name": name, "turns": len(u), "pulled": int(d["pulled"]),
                                "nixl": f"{int(d['nixl_metrics'])} (log {int(d['nixl_log'])})",
-                               "probe": int(d["probe_p"]), "diff": " / ".join(f"{x:.2g}" for x in diffs)})
+                               "probe": int(d["probe_p"]), "agent": int(d["agent_p"]),
+                               "diff": " / ".join(f"{x:.2g}" for x in diffs)})
         checks = [
             (d["pulled"] == expect, f"router pulled {d['pulled']}"),
             (d["nixl_metrics"] == expect, f"P's vllm:nixl_xfer_time_seconds_count moved by {d['nixl_metrics']}"),
             (d["probe_p"] == expect, f"kvloop trace saw {d['probe_p']} NIXL transfers in P"),
+            (d["agent_p"] == expect, f"P's agent recorded {d['agent_p']} of P's NIXL transfers"),
         ]
         for i, (a, b) in enumerate(zip(on, off)):
             checks.append((a.tokens == b.tokens, f"turn {i + 1}: tokens differ with reuse: {a.tokens} vs {b.tokens}"))
@@ -148,6 +159,48 @@ def test_conversations_reuse_and_match(cluster, words, report):
     assert prefills > 0, "P's agent timed no prefill on P's port"
     log = cluster.procs["vllm-d"].log_path.read_text(errors="replace")
     assert "kvloop-vllm: kv_transfer_params on final streaming chunks (vLLM 0.32.0" in log
+
+
+def sources(fit: dict | None) -> dict[str, int]:
+    """Samples per source (`ebpf`, `active_probe`, ...) of an explained fit."""
+    return {x["source"]: x["samples"] for x in ((fit or {}).get("summary") or {}).get("sources", [])}
+
+
+def test_agent_fits_real_reads_and_pushes(cluster, report):
+    """Observe mode on real engines: P's agent fits its cost model from P's
+    real NIXL READs (its probes on P's libnixl) and P's real prefills (the
+    prefill probe on P's port), pushes the pair's threshold to a router, and
+    `kvloop explain` shows both sample sources."""
+    import json
+    import subprocess
+
+    d_recorded = agent_recorded(cl.D_HOST)
+    report["figures"]["engines' NIXL READs recorded by the agents (P / D)"] = \
+        f"{int(agent_recorded(cl.P_HOST))} / {int(d_recorded)}"
+    assert d_recorded > 0, "D's agent recorded none of D's NIXL READs (P->D)"
+    deadline, last = time.time() + 30, None
+    while time.time() < deadline:
+        r = subprocess.run([str(cl.BIN / "kvloop"), "explain", "--agent", f"{cl.P_HOST}:{cl.AGENT_PORT}",
+                            "--pair", f"{cl.P_ID},{cl.D_ID}", "--json"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        last = json.loads(r.stdout)
+        if sources(last.get("transfer")).get("ebpf", 0) > 0 and sources(last.get("prefill")).get("ebpf", 0) > 0:
+            break
+        time.sleep(2)
+    xs, ps = sources(last.get("transfer")), sources(last.get("prefill"))
+    report["figures"]["P's agent cost model samples (kvloop explain): transfer / prefill"] = f"{xs} / {ps}"
+    assert xs.get("ebpf", 0) > 0, f"no eBPF-timed READ in the transfer fit: {last}"
+    assert ps.get("ebpf", 0) > 0, f"no eBPF-timed prefill in the prefill fit: {last}"
+    text = subprocess.run([str(cl.BIN / "kvloop"), "explain", "--agent", f"{cl.P_HOST}:{cl.AGENT_PORT}",
+                           "--pair", f"{cl.P_ID},{cl.D_ID}"], capture_output=True, text=True, timeout=30).stdout
+    assert "threshold:" in text and "Ebpf" in text, text
+    st, body = cl.http("GET", f"http://{cl.ROUTER_OBS}/v1/thresholds", headers={"authorization": "Bearer vl-admin"})
+    assert st == 200, body
+    pushed = [p for p in json.loads(body)["pairs"]
+              if (p["prefill_engine_id"], p["decode_engine_id"], p["agent_id"]) == (cl.P_ID, cl.D_ID, "vl-node-p")]
+    assert pushed, f"P's agent pushed no threshold for the pair: {body}"
+    report["figures"]["threshold pushed by P's agent (router GET /v1/thresholds)"] = \
+        f"{pushed[0]['threshold_tokens']} tokens"
 
 
 def test_params_pass_through_exactly(cluster):
@@ -238,9 +291,9 @@ def test_streaming_reuse_needs_the_plugin(cluster, words, report):
     d = delta_when_settled(cluster, before, 0, timeout_s=12)
     report["rows"].append({"name": "chat stream, D without plugin", "turns": len(u), "pulled": int(d["pulled"]),
                            "nixl": f"{int(d['nixl_metrics'])} (log {int(d['nixl_log'])})",
-                           "probe": int(d["probe_p"]), "diff": "-"})
+                           "probe": int(d["probe_p"]), "agent": int(d["agent_p"]), "diff": "-"})
     assert d["pulled"] == 0 and d["no_entry"] == len(u), d
-    assert d["nixl_metrics"] == 0 and d["probe_p"] == 0, d
+    assert d["nixl_metrics"] == 0 and d["probe_p"] == 0 and d["agent_p"] == 0, d
     assert not any(t.has_params for t in turns)
 
 
