@@ -4,7 +4,8 @@
 //! `kvloop-agent-api`) notice the loss, drop the holds leased at the lost
 //! agent (the new agent has none), register the same memory again with
 //! back-off on the same side-channel port, and later turns pull again,
-//! verified byte-exact (no wrong KV).
+//! verified byte-exact (no wrong KV). The last test kills the agent inside
+//! a READ.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -360,5 +361,125 @@ async fn a_lost_agent_is_reported_and_its_holds_are_released_on_the_engine_side(
     assert_eq!(e1["side_channel"], reg.side_channel().to_string());
     reg.retain("req-2", &[3], 60_000).await.unwrap();
     events.abort();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kvloop_agent_reads_in_flight` of an agent (0 while it does not answer).
+async fn reads_in_flight(a: &Agent) -> u64 {
+    let Ok(Ok(r)) = tokio::time::timeout(
+        Duration::from_secs(1),
+        reqwest::get(format!("http://{}/metrics", a.http)),
+    )
+    .await
+    else {
+        return 0;
+    };
+    r.text()
+        .await
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("kvloop_agent_reads_in_flight "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Fault matrix, "decode agent killed mid-READ, then restarted": P's agent
+/// is READing d0's blocks (150 MiB, `kvloop_agent_reads_in_flight` = 1)
+/// when D's agent, which registered them, is SIGKILLed. P's turn is
+/// answered, recomputed (never served from blocks half read: every block
+/// P keeps is verified, none mismatched); D's agent is started again, d0
+/// registers again without restarting, and a new conversation pulls again,
+/// byte-exact. Up to three tries, each a new conversation, for the kill to
+/// land inside the READ; each try's outcome must be a clean read or a
+/// clean recompute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_agent_killed_mid_read_the_turn_recomputes_and_pulls_resume_after_restart() {
+    let dir = std::env::temp_dir().join(format!("kvloop-ag-midread-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (a, mut b) = agents(&dir);
+    // 256 KiB of KV per token: a 600-token conversation is 150 MiB.
+    let big = |role, id: &str, agent: &Agent| SimConfig {
+        kv_bytes_per_token: 256 << 10,
+        kv_capacity_tokens: 2048,
+        ..cfg(role, id, agent)
+    };
+    let p = spawn(big(Role::Prefill, "p0", &a)).await.unwrap();
+    let d = spawn(big(Role::Decode, "d0", &b)).await.unwrap();
+    b.wait_lists("d0").await;
+    let mut killed_mid_read = false;
+    for attempt in 0..3 {
+        let text: String = (0..600).map(|i| format!(" mid{attempt}w{i}")).collect();
+        let dr = post(
+            &format!("{}/v1/completions", d.url()),
+            json!({"prompt": text, "max_tokens": 4}),
+        )
+        .await;
+        assert!(dr["kv_transfer_params"].is_object(), "{dr}");
+        let held = dr["kv_transfer_params"]["remote_num_tokens"]
+            .as_u64()
+            .unwrap();
+        let url = format!("{}/v1/completions", p.url());
+        let body = next_turn(&text, &dr);
+        let turn = tokio::spawn(async move { post(&url, body).await });
+        // Kill D's agent as soon as P's agent has the READ in flight.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut seen = false;
+        while !turn.is_finished() && Instant::now() < deadline {
+            if reads_in_flight(&a).await > 0 {
+                seen = true;
+                break;
+            }
+        }
+        b.kill9();
+        let r = tokio::time::timeout(Duration::from_secs(30), turn)
+            .await
+            .expect("P's turn answered within 30 s")
+            .unwrap();
+        let reused = r["kvloop_sim"]["reused_tokens"].as_u64().unwrap();
+        assert!(
+            reused == 0 || reused == held,
+            "a turn is read whole or recomputed: {reused} of {held}"
+        );
+        let ps = p.engine.stats();
+        assert_eq!(ps.mismatched_blocks, 0, "{ps:?}");
+        eprintln!(
+            "mid-READ try {attempt}: in flight at the kill {seen}, reused {reused} of {held}"
+        );
+        killed_mid_read |= seen && reused == 0;
+        b.start();
+        b.wait_lists("d0").await;
+        if killed_mid_read {
+            break;
+        }
+    }
+    assert!(
+        killed_mid_read,
+        "the kill never landed inside the READ in three tries"
+    );
+    let m = metrics(&a).await;
+    assert!(
+        m.contains(r#"kvloop_agent_pulls_total{reader="p0",owner="d0",result="failed""#),
+        "the READ cut short is counted failed: {m}"
+    );
+    assert!(m.contains("kvloop_agent_reads_in_flight 0"), "{m}");
+    // Pulls resume: a new conversation is read whole, byte-exact.
+    let text: String = (0..300).map(|i| format!(" after{i}")).collect();
+    let dr = post(
+        &format!("{}/v1/completions", d.url()),
+        json!({"prompt": text, "max_tokens": 4}),
+    )
+    .await;
+    let held = dr["kv_transfer_params"]["remote_num_tokens"]
+        .as_u64()
+        .unwrap();
+    let r = post(
+        &format!("{}/v1/completions", p.url()),
+        next_turn(&text, &dr),
+    )
+    .await;
+    assert_eq!(r["kvloop_sim"]["reused_tokens"], held, "{r}");
+    let ps = p.engine.stats();
+    assert_eq!(ps.mismatched_blocks, 0, "{ps:?}");
+    assert!(ps.verified_blocks > 0, "{ps:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,6 +4,23 @@
 //! API's typed errors.
 use super::*;
 
+/// Counts a READ in `kvloop_agent_reads_in_flight` until dropped (also
+/// when the caller's future is cancelled mid-READ).
+struct InFlight<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+
+impl<'a> InFlight<'a> {
+    fn enter(g: &'a prometheus_client::metrics::gauge::Gauge) -> Self {
+        g.inc();
+        Self(g)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 impl Agent {
     /// Connects a hosted engine to a remote engine.
     ///
@@ -56,6 +73,7 @@ impl Agent {
                 return Err(err);
             }
         }
+        let in_flight = InFlight::enter(&self.metrics.reads_in_flight);
         let r = e
             .read(&ReadRequest {
                 peer_engine_id: peer_engine_id.to_string(),
@@ -65,6 +83,7 @@ impl Agent {
                 timeout_ms,
             })
             .await;
+        drop(in_flight);
         match r {
             Ok(o) => {
                 self.metrics
