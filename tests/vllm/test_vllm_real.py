@@ -166,40 +166,50 @@ def sources(fit: dict | None) -> dict[str, int]:
     return {x["source"]: x["samples"] for x in ((fit or {}).get("summary") or {}).get("sources", [])}
 
 
-def test_agent_fits_real_reads_and_pushes(cluster, report):
+def test_agent_fits_real_reads_and_pushes(cluster, words, report):
     """Observe mode on real engines: P's agent fits its cost model from P's
     real NIXL READs (its probes on P's libnixl) and P's real prefills (the
     prefill probe on P's port), pushes the pair's threshold to a router, and
-    `kvloop explain` shows both sample sources."""
+    `kvloop explain` shows both sample sources. The model keeps samples for
+    `max_sample_age_ms` (2 min), so this test makes its own: one 3-turn
+    conversation with reuse (2 READs) and one without (6 prefills in all,
+    the prefill fit's `min_samples`)."""
     import json
     import subprocess
 
+    u = users(words, 6000)
+    before = agent_recorded(cl.P_HOST)
+    for base, tag in ((ON, "vl-fit-on"), (OFF, "vl-fit-off")):
+        turns = conversation(base, "chat", False, u, tag)
+        assert all(t.status == 200 and t.tokens for t in turns), [t.raw for t in turns]
     d_recorded = agent_recorded(cl.D_HOST)
-    report["figures"]["engines' NIXL READs recorded by the agents (P / D)"] = \
+    report["figures"]["engines' NIXL READs recorded by the agents (P / D, whole run)"] = \
         f"{int(agent_recorded(cl.P_HOST))} / {int(d_recorded)}"
     assert d_recorded > 0, "D's agent recorded none of D's NIXL READs (P->D)"
-    deadline, last = time.time() + 30, None
+    deadline, last = time.time() + 40, None
     while time.time() < deadline:
         r = subprocess.run([str(cl.BIN / "kvloop"), "explain", "--agent", f"{cl.P_HOST}:{cl.AGENT_PORT}",
                             "--pair", f"{cl.P_ID},{cl.D_ID}", "--json"], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         last = json.loads(r.stdout)
-        if sources(last.get("transfer")).get("ebpf", 0) > 0 and sources(last.get("prefill")).get("ebpf", 0) > 0:
+        if sources(last.get("transfer")).get("ebpf", 0) > 0 and sources(last.get("prefill")).get("ebpf", 0) > 0 \
+                and agent_recorded(cl.P_HOST) - before >= len(u) - 1:
             break
         time.sleep(2)
     xs, ps = sources(last.get("transfer")), sources(last.get("prefill"))
+    assert agent_recorded(cl.P_HOST) - before == len(u) - 1, "P's agent recorded other than the 2 READs"
     report["figures"]["P's agent cost model samples (kvloop explain): transfer / prefill"] = f"{xs} / {ps}"
     assert xs.get("ebpf", 0) > 0, f"no eBPF-timed READ in the transfer fit: {last}"
     assert ps.get("ebpf", 0) > 0, f"no eBPF-timed prefill in the prefill fit: {last}"
     text = subprocess.run([str(cl.BIN / "kvloop"), "explain", "--agent", f"{cl.P_HOST}:{cl.AGENT_PORT}",
                            "--pair", f"{cl.P_ID},{cl.D_ID}"], capture_output=True, text=True, timeout=30).stdout
     assert "threshold:" in text and "Ebpf" in text, text
-    st, body = cl.http("GET", f"http://{cl.ROUTER_OBS}/v1/thresholds", headers={"authorization": "Bearer vl-admin"})
+    st, body = cl.http("GET", f"http://{cl.ROUTER_OBS}/admin/thresholds", headers={"authorization": "Bearer vl-admin"})
     assert st == 200, body
     pushed = [p for p in json.loads(body)["pairs"]
               if (p["prefill_engine_id"], p["decode_engine_id"], p["agent_id"]) == (cl.P_ID, cl.D_ID, "vl-node-p")]
     assert pushed, f"P's agent pushed no threshold for the pair: {body}"
-    report["figures"]["threshold pushed by P's agent (router GET /v1/thresholds)"] = \
+    report["figures"]["threshold pushed by P's agent (router GET /admin/thresholds)"] = \
         f"{pushed[0]['threshold_tokens']} tokens"
 
 
