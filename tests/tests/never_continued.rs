@@ -200,7 +200,11 @@ side_channel_port = {d_side}
     let m = get_text(&http, &format!("{base}/metrics")).await;
     let entries = metric(&m, "kvloop_router_store_entries", "");
     let lru = metric(&m, "kvloop_router_store_evictions_total", "cause=\"lru\"");
-    let expired = metric(&m, "kvloop_router_store_evictions_total", "cause=\"expired\"");
+    let expired = metric(
+        &m,
+        "kvloop_router_store_evictions_total",
+        "cause=\"expired\"",
+    );
     let rss_end_kib = rss_kib(router_pid);
     let d_holds = get_json(&http, &format!("http://127.0.0.1:{d_http}/sim/stats")).await["holds"]
         .as_u64()
