@@ -123,15 +123,20 @@ mod tests {
         (id == "d0").then(|| "node-d".to_string())
     }
 
+    /// The agent is pid 7; `d0` is hosted by `node-d`.
+    fn context<'a>(in_scope: &'a dyn Fn(u32) -> bool, sole_peer: Option<&'a str>) -> Context<'a> {
+        Context {
+            own_pid: 7,
+            in_scope,
+            peer_of: &known,
+            sole_peer,
+        }
+    }
+
     #[test]
     fn own_reads_are_inbound_from_the_owner_engines_agent() {
         let scope = |_: u32| true;
-        let cx = Context {
-            own_pid: 7,
-            in_scope: &scope,
-            peer_of: &known,
-            sole_peer: None,
-        };
+        let cx = context(&scope, None);
         let x = sample(7, "kvloop", XferOp::Unknown, "d0");
         assert_eq!(
             attribute(&x, &cx),
@@ -151,12 +156,7 @@ mod tests {
     #[test]
     fn engine_reads_and_writes_by_op_and_sole_peer() {
         let scope = |pid: u32| pid != 99;
-        let cx = Context {
-            own_pid: 7,
-            in_scope: &scope,
-            peer_of: &known,
-            sole_peer: Some("node-d"),
-        };
+        let cx = context(&scope, Some("node-d"));
         // vLLM's NIXL agent names are random UUIDs: the sole peer.
         let r = sample(
             40,
@@ -190,12 +190,7 @@ mod tests {
     #[test]
     fn several_peers_are_never_guessed_between() {
         let scope = |_: u32| true;
-        let cx = Context {
-            own_pid: 7,
-            in_scope: &scope,
-            peer_of: &known,
-            sole_peer: None,
-        };
+        let cx = context(&scope, None);
         let r = sample(40, "nixl", XferOp::Read, "uuid-of-someone");
         assert_eq!(attribute(&r, &cx), Err(Skip::Unattributed));
         let mut failed = sample(40, "nixl", XferOp::Read, "d0");
