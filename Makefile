@@ -23,6 +23,7 @@ help:
 	@echo "make bench  - run the benchmarks (tables on stdout)"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
 	@echo "make test-vllm - kvloop in front of real vLLM engines (docs/vllm.md)"
+	@echo "make fuzz   - run each fuzz target for FUZZ_SECONDS (default 60)"
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -67,3 +68,12 @@ lint:
 test-vllm: bootstrap
 	cargo build -p kvloop -p kvloop-agent -p kvloop-router
 	scripts/vllm/test.sh
+
+# Fuzz targets (fuzz/, cargo-fuzz on the nightly toolchain) for the
+# kv_transfer_params parser, the SSE parser, the agent's frame decoder and the
+# side channel's decoder, one after the other for FUZZ_SECONDS each (default
+# 60); prints target | executions | seconds | crashes and fails on a crash.
+# scripts/fuzz.sh installs cargo-fuzz when missing. Not part of `make test`.
+.PHONY: fuzz
+fuzz:
+	scripts/fuzz.sh

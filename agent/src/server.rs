@@ -21,7 +21,8 @@ use crate::agent::Agent;
 pub use crate::garbage::Peer;
 use crate::garbage::garbage_warn;
 use crate::proto::{
-    ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, read_frame, send_json,
+    ApiError, ErrorKind, PROTOCOL_VERSION, Reply, Request, Response, decode_request, read_frame,
+    send_json,
 };
 
 /// Whether a peer with `peer_uid` may use an agent running as `own_uid`.
@@ -128,7 +129,7 @@ async fn serve_conn(
     registered: &mut Vec<(String, u64)>,
 ) -> std::io::Result<()> {
     while let Some((body, fds)) = read_frame(sock).await? {
-        let resp = match serde_json::from_slice::<Request>(&body) {
+        let resp = match decode_request(&body) {
             Ok(Request::Register {
                 engine_id,
                 layout,

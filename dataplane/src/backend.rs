@@ -1,71 +1,13 @@
 //! The interface every transfer backend implements (libfabric, NIXL), and the
 //! metadata engines exchange about their backends at handshake.
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::error::{DataplaneError, Result};
 use crate::layout::Segment;
 use crate::quarantine::Release;
 
-/// What a peer needs to know about one of an engine's registered regions to
-/// READ from it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RemoteRegion {
-    /// Address the READ must name for offset 0 of the region: the virtual
-    /// address when the provider uses `FI_MR_VIRT_ADDR` (and for NIXL), else 0.
-    pub base_addr: u64,
-    /// Remote memory key (`fi_mr_key`); 0 for NIXL, which carries keys in its
-    /// own metadata blob.
-    pub key: u64,
-    /// Region length in bytes.
-    pub len_bytes: u64,
-    /// Device ordinal for device memory (NIXL `devId`); 0 for host memory.
-    pub device_id: u64,
-}
-
-/// Backend description sent at handshake, versioned with the side channel.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-pub enum BackendMetadata {
-    /// libfabric used directly.
-    Libfabric {
-        /// Provider name as libfabric reports it, e.g. `tcp;ofi_rxm`, `shm`, `efa`.
-        provider: String,
-        /// Endpoint address (`fi_getname`), inserted into the reader's AV.
-        address: Vec<u8>,
-        /// Registered regions, in layout order.
-        regions: Vec<RemoteRegion>,
-    },
-    /// NIXL agent.
-    Nixl {
-        /// NIXL backend plugin, e.g. `UCX`, `LIBFABRIC`.
-        plugin: String,
-        /// The NIXL agent name (unique per engine).
-        agent_name: String,
-        /// `getLocalMD()` blob, loaded with `loadRemoteMD()` by the reader.
-        metadata: Vec<u8>,
-        /// Registered regions, in layout order.
-        regions: Vec<RemoteRegion>,
-    },
-}
-
-impl BackendMetadata {
-    /// Regions of the remote engine, in layout order.
-    pub fn regions(&self) -> &[RemoteRegion] {
-        match self {
-            Self::Libfabric { regions, .. } | Self::Nixl { regions, .. } => regions,
-        }
-    }
-
-    /// Short description, e.g. `libfabric/tcp;ofi_rxm` or `nixl/UCX`.
-    pub fn describe(&self) -> String {
-        match self {
-            Self::Libfabric { provider, .. } => format!("libfabric/{provider}"),
-            Self::Nixl { plugin, .. } => format!("nixl/{plugin}"),
-        }
-    }
-}
+/// Defined with the side-channel messages in `kvloop-kv-types`.
+pub use kvloop_kv_types::sidechannel::{BackendMetadata, RemoteRegion};
 
 /// Completion handle of one posted READ: resolved exactly once by the
 /// backend, after every operation it posted for that READ has completed

@@ -37,7 +37,7 @@ use tokio::sync::Mutex;
 use crate::lease::LeaseInfo;
 use crate::proto::{
     ApiError, EngineEvent, PROTOCOL_VERSION, ReadDirection, ReadDone, RegionSource, Reply, Request,
-    Response, read_frame, send_json,
+    Response, decode_response, read_frame, send_json,
 };
 
 /// Errors of [`AgentClient`].
@@ -130,7 +130,7 @@ impl AgentClient {
         send_json(&s, req, fds).await?;
         let (body, _) = read_frame(&s).await?.ok_or(ClientError::Closed)?;
         self.in_flight.store(false, Ordering::Release);
-        match serde_json::from_slice::<Response>(&body)
+        match decode_response(&body)
             .map_err(|e| ClientError::Protocol(format!("bad response: {e}")))?
         {
             Response::Ok(r) => Ok(r),

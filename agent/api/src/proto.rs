@@ -456,6 +456,37 @@ pub enum Response {
     Err(ApiError),
 }
 
+/// The body length a frame header (`u32` little-endian) announces.
+///
+/// # Errors
+/// `InvalidData` when it exceeds [`MAX_FRAME_BYTES`].
+pub fn frame_len(head: [u8; 4]) -> io::Result<usize> {
+    let len = u32::from_le_bytes(head) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes: at most {MAX_FRAME_BYTES}"),
+        ));
+    }
+    Ok(len)
+}
+
+/// Decodes a frame body sent to the agent.
+///
+/// # Errors
+/// The body is not one JSON [`Request`].
+pub fn decode_request(body: &[u8]) -> serde_json::Result<Request> {
+    serde_json::from_slice(body)
+}
+
+/// Decodes a frame body sent by the agent.
+///
+/// # Errors
+/// The body is not one JSON [`Response`].
+pub fn decode_response(body: &[u8]) -> serde_json::Result<Response> {
+    serde_json::from_slice(body)
+}
+
 /// Writes one frame with `fds` attached.
 ///
 /// # Errors
@@ -515,13 +546,7 @@ pub async fn read_frame(s: &UnixStream) -> io::Result<Option<(Vec<u8>, Vec<Owned
         }
         got += n;
     }
-    let len = u32::from_le_bytes(head) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes: at most {MAX_FRAME_BYTES}"),
-        ));
-    }
+    let len = frame_len(head)?;
     let mut body = vec![0u8; len];
     let mut got = 0;
     while got < len {
@@ -582,6 +607,27 @@ pub async fn send_json<T: Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frame_headers_and_bodies_decode_without_a_socket() {
+        assert_eq!(frame_len(7u32.to_le_bytes()).unwrap(), 7);
+        assert_eq!(
+            frame_len((MAX_FRAME_BYTES as u32).to_le_bytes()).unwrap(),
+            16 << 20
+        );
+        let e = frame_len((MAX_FRAME_BYTES as u32 + 1).to_le_bytes()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        let hello = br#"{"op":"hello","version":1,"client":"t"}"#;
+        assert!(matches!(
+            decode_request(hello),
+            Ok(Request::Hello { version: 1, .. })
+        ));
+        assert!(decode_request(br#"{"op":"hello","version":1}"#).is_err());
+        assert_eq!(
+            decode_response(br#"{"ok":{"reply":"done"}}"#).unwrap(),
+            Response::Ok(Reply::Done)
+        );
+    }
 
     /// Errors from agents before the typed kinds still decode, and a kind
     /// this build does not know decodes to the catch-all.

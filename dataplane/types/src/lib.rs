@@ -8,12 +8,14 @@
 //! * [`request`]: a READ request, its owner notification and its outcome.
 //! * [`notify`]: owner notification strings and their tracker.
 //! * [`region`]: memfd-backed host memory, and regions as backends see them.
+//! * [`sidechannel`]: the side channel's messages and pure frame decoding.
 //! * [`error`]: the dataplane's error type.
 pub mod error;
 pub mod layout;
 pub mod notify;
 pub mod region;
 pub mod request;
+pub mod sidechannel;
 
 pub use error::{DataplaneError, ErrorSource, Result, Side};
 pub use layout::{BlockPair, KvLayout, Segment};

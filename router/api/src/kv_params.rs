@@ -117,9 +117,17 @@ fn block_id(v: &Value) -> Option<u32> {
     v.as_u64().and_then(|x| u32::try_from(x).ok())
 }
 
-fn value(raw: Option<&RawValue>) -> Option<Value> {
-    raw.and_then(|r| serde_json::from_str(r.get()).ok())
+/// Member `key` as a [`Value`]: `None` when absent. A member whose raw text
+/// serde_json cannot turn into a value (a number beyond `f64`, nesting over
+/// 128 deep: [`RawObject`] keeps either) is malformed, not absent.
+fn value(raw: &RawObject, key: &'static str) -> Result<Option<Value>, ParamsError> {
+    raw.get(key)
+        .map(|r| serde_json::from_str(r.get()))
+        .transpose()
+        .map_err(|_| err(key, UNREADABLE))
 }
+
+const UNREADABLE: &str = "a JSON value with numbers in f64 range, nested at most 128 deep";
 
 fn block_ids(v: Option<Value>) -> Result<BlockIds, ParamsError> {
     const IDS: &str = "block ids as integers in 0..=4294967295";
@@ -165,7 +173,8 @@ impl KvTransferParams {
     /// `tp_size` a positive integer; `remote_num_tokens` a non-negative
     /// integer; `do_remote_decode`/`do_remote_prefill` booleans;
     /// `remote_blocks_expiry_time` a number; `transfer_mode` `"pull"` or
-    /// `"push"`.
+    /// `"push"`. A member serde_json cannot read (a number beyond `f64`,
+    /// nesting over 128 deep) is malformed, also where it is optional.
     ///
     /// # Errors
     /// [`ParamsError`] naming the first bad field.
@@ -179,25 +188,25 @@ impl KvTransferParams {
     /// # Errors
     /// [`ParamsError`] naming the first bad field.
     pub fn from_raw(raw: RawObject) -> Result<Self, ParamsError> {
-        let get = |k: &str| value(raw.get(k));
-        let remote_engine_id = match get("remote_engine_id") {
+        let get = |k: &'static str| value(&raw, k);
+        let remote_engine_id = match get("remote_engine_id")? {
             Some(Value::String(s)) if !s.is_empty() => s,
             _ => return Err(err("remote_engine_id", "a non-empty string")),
         };
-        let Some(Value::String(remote_request_id)) = get("remote_request_id") else {
+        let Some(Value::String(remote_request_id)) = get("remote_request_id")? else {
             return Err(err("remote_request_id", "a string"));
         };
-        let remote_block_ids = block_ids(get("remote_block_ids"))?;
-        let remote_port = get("remote_port")
+        let remote_block_ids = block_ids(get("remote_block_ids")?)?;
+        let remote_port = get("remote_port")?
             .and_then(|v| v.as_u64())
             .and_then(|p| u16::try_from(p).ok())
             .ok_or(err("remote_port", "an integer in 0..=65535"))?;
-        let remote_host = match get("remote_host") {
+        let remote_host = match get("remote_host")? {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s),
             _ => return Err(err("remote_host", "a string")),
         };
-        let tp_size = match get("tp_size") {
+        let tp_size = match get("tp_size")? {
             None | Some(Value::Null) => None,
             Some(v) => Some(
                 v.as_u64()
@@ -205,21 +214,21 @@ impl KvTransferParams {
                     .ok_or(err("tp_size", "a positive integer"))?,
             ),
         };
-        let remote_num_tokens = match get("remote_num_tokens") {
+        let remote_num_tokens = match get("remote_num_tokens")? {
             None | Some(Value::Null) => None,
             Some(v) => Some(
                 v.as_u64()
                     .ok_or(err("remote_num_tokens", "a non-negative integer"))?,
             ),
         };
-        let flag = |f: &'static str| match get(f) {
+        let flag = |f: &'static str| match get(f)? {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(b)),
             _ => Err(err(f, "a boolean")),
         };
         let do_remote_decode = flag("do_remote_decode")?;
         let do_remote_prefill = flag("do_remote_prefill")?;
-        let remote_blocks_expiry_time = match get("remote_blocks_expiry_time") {
+        let remote_blocks_expiry_time = match get("remote_blocks_expiry_time")? {
             None | Some(Value::Null) => None,
             // The raw text through std's correctly rounded parser (serde_json's
             // default float parsing is not).
@@ -228,7 +237,7 @@ impl KvTransferParams {
                 .and_then(|r| r.get().trim().parse::<f64>().ok()),
             _ => return Err(err("remote_blocks_expiry_time", "a number or null")),
         };
-        let transfer_mode = match get("transfer_mode") {
+        let transfer_mode = match get("transfer_mode")? {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) if s == "pull" => Some(TransferMode::Pull),
             Some(Value::String(s)) if s == "push" => Some(TransferMode::Push),
@@ -348,5 +357,31 @@ mod tests {
             assert_eq!(e.field, field, "{e}");
         }
         assert_eq!(KvTransferParams::parse("[1]").unwrap_err().field, ".");
+    }
+
+    /// Found by `make fuzz` (target `kv_params`): an optional member whose
+    /// text serde_json cannot read (`1214.2449e693849999` is beyond `f64`;
+    /// nesting over 128 deep) was taken as absent and forwarded unchecked.
+    #[test]
+    fn unreadable_optional_members_are_malformed_not_absent() {
+        let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+        for (field, bad) in [
+            ("remote_blocks_expiry_time", "1214.2449e693849999"),
+            ("remote_num_tokens", "1e400"),
+            ("tp_size", deep.as_str()),
+            ("remote_host", deep.as_str()),
+            ("transfer_mode", deep.as_str()),
+            ("do_remote_decode", deep.as_str()),
+        ] {
+            let mut o = RawObject::parse(D).unwrap();
+            o.set(field, RawValue::from_string(bad.into()).unwrap());
+            let e = KvTransferParams::from_raw(o)
+                .map(|p| p.to_json())
+                .unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+        }
+        let text = D.replace("1214.2449693849999", "1214.2449e693849999");
+        let e = KvTransferParams::parse(&text).unwrap_err();
+        assert_eq!(e.field, "remote_blocks_expiry_time", "{e}");
     }
 }

@@ -82,10 +82,10 @@ impl SseParser {
     /// block not closed by a blank line is returned (a browser would drop
     /// it; a relay still has to forward its bytes).
     pub fn finish(&mut self) -> Option<SseEvent> {
-        if !self.line.is_empty() {
-            let mut sink = Vec::new();
-            self.end_line(&mut sink);
-            debug_assert!(sink.is_empty(), "a non-empty line never dispatches");
+        // A last line that is empty (or only the BOM) is no blank line: it
+        // has no line end, so it dispatches nothing.
+        if let Some(line) = self.take_line() {
+            self.field(&line);
         }
         if self.raw.is_empty() {
             return None;
@@ -102,6 +102,14 @@ impl SseParser {
     }
 
     fn end_line(&mut self, out: &mut Vec<SseEvent>) {
+        match self.take_line() {
+            Some(line) => self.field(&line),
+            None => out.push(self.take_event()),
+        }
+    }
+
+    /// The current line, without the stream's BOM; `None` when it is empty.
+    fn take_line(&mut self) -> Option<Vec<u8>> {
         let mut line = std::mem::take(&mut self.line);
         if self.at_start {
             self.at_start = false;
@@ -109,10 +117,11 @@ impl SseParser {
                 line.drain(..BOM.len());
             }
         }
-        if line.is_empty() {
-            out.push(self.take_event());
-            return;
-        }
+        (!line.is_empty()).then_some(line)
+    }
+
+    /// A non-empty line: a comment or a field.
+    fn field(&mut self, line: &[u8]) {
         if line[0] == b':' {
             return; // comment
         }
@@ -121,7 +130,7 @@ impl SseParser {
                 let v = &line[i + 1..];
                 (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
             }
-            None => (&line[..], &[][..]),
+            None => (line, &[][..]),
         };
         let value = String::from_utf8_lossy(value);
         match name {
@@ -185,5 +194,20 @@ mod tests {
         assert_eq!(ev[0].data.as_deref(), Some(" two spaces"));
         assert_eq!(ev[1].data.as_deref(), Some("tail"));
         assert_eq!(ev[1].raw, b"data: tail");
+    }
+
+    /// Found by `make fuzz` (target `sse`): a stream of only the BOM, with
+    /// no line end, lost its bytes (and failed a debug assertion).
+    #[test]
+    fn a_stream_of_only_the_bom_keeps_its_bytes() {
+        for chunks in [&[&b"\xEF\xBB\xBF"[..]][..], &[b"\xEF", b"\xBB\xBF"]] {
+            let ev = all(chunks);
+            assert_eq!(ev.len(), 1, "{ev:?}");
+            assert_eq!(ev[0].raw, b"\xEF\xBB\xBF");
+            assert_eq!(
+                (ev[0].data.as_deref(), ev[0].event.as_deref()),
+                (None, None)
+            );
+        }
     }
 }
