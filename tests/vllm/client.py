@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 MODEL = "tiny"
 #: Requests retried after a 503 "no healthy ... engine" from the router.
 RETRIES_503: list[str] = []
+#: Stream chunks with neither `choices[0]` nor `usage` (what crashes OpenAI
+#: clients that read `choices[0]` of every chunk): (path, chunk).
+BARE_CHUNKS: list = []
 TOP = 5
 
 
@@ -79,6 +82,8 @@ def ask(base: str, kind: str, stream: bool, history, conv_id: str | None, max_to
     text, toks, lps, top, fin, params = "", [], [], [], None, False
     for b in bodies:
         params = params or bool(b.get("kv_transfer_params"))
+        if stream and not (b.get("choices") or b.get("usage")):
+            BARE_CHUNKS.append((path, b))
         for ch in b.get("choices") or []:
             fin = ch.get("finish_reason") or fin
             lp = ch.get("logprobs") or {}

@@ -135,6 +135,7 @@ def test_conversations_reuse_and_match(cluster, words, report):
         for i, (a, b) in enumerate(zip(on, off)):
             checks.append((a.tokens == b.tokens, f"turn {i + 1}: tokens differ with reuse: {a.tokens} vs {b.tokens}"))
         checks.append((max(diffs) <= TOLERANCE, f"logprob differences {diffs} above {TOLERANCE}"))
+        checks.append((not any(t.has_params for t in on), "the client saw kv_transfer_params through the router"))
         failures += [f"{name}: {msg} ({d})" for ok, msg in checks if not ok]
         worst = max(worst, max(diffs))
     # vLLM logs "Num successful transfers=N" every 10 s for the interval
@@ -152,6 +153,11 @@ def test_conversations_reuse_and_match(cluster, words, report):
     if d["nixl_log"] != total:
         failures.append(f"P's 'Num successful transfers' sum moved by {d['nixl_log']}, expected {total}")
     report["figures"]["max |dlogprob| reuse vs recompute"] = f"{worst:.5f} (tolerance {TOLERANCE})"
+    from client import BARE_CHUNKS
+
+    report["figures"]["stream chunks without choices[0] or usage seen by the client"] = len(BARE_CHUNKS)
+    if BARE_CHUNKS:
+        failures.append(f"chunks without choices[0] or usage reached the client: {BARE_CHUNKS[:3]}")
     assert not failures, "\n".join(failures)
     m = cl.metrics(f"http://{cl.P_HOST}:{cl.AGENT_PORT}/metrics")
     prefills = cl.metric_sum(m, "kvloop_prefill_latency_seconds_count", port=str(cl.P_PORT))
