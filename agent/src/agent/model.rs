@@ -213,11 +213,10 @@ impl Agent {
     /// The decode peer of a configured pair whose decode engine id is `id`
     /// (or starts with a [`kvloop_common::PEER_LEN`]-byte truncated `id`).
     fn pair_decode_peer(&self, id: &str) -> Option<String> {
-        let truncated = id.len() == kvloop_common::PEER_LEN;
         self.cfg
             .pairs
             .iter()
-            .find(|p| p.decode_engine_id == id || (truncated && p.decode_engine_id.starts_with(id)))
+            .find(|p| super::peers::engine_id_matches(id, &p.decode_engine_id))
             .map(|p| p.decode_peer.clone())
     }
 }

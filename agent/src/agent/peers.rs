@@ -18,6 +18,12 @@ pub struct PeerState {
     pub alarm: bool,
 }
 
+/// Whether `seen` (an engine id as a probe sample carries it) names engine
+/// `id`: equal, or a [`kvloop_common::PEER_LEN`]-byte truncation of it.
+pub(super) fn engine_id_matches(seen: &str, id: &str) -> bool {
+    id == seen || (seen.len() == kvloop_common::PEER_LEN && id.starts_with(seen))
+}
+
 impl Agent {
     /// Asks every peer agent for its engines once (`GET /v1/engines`); the
     /// discovery task calls it every second, and a READ or a renewal calls
@@ -141,8 +147,7 @@ impl Agent {
     /// An id of exactly [`kvloop_common::PEER_LEN`] bytes also matches the
     /// longer ids it is a prefix of (probe samples carry truncated ids).
     pub fn peer_of_engine(&self, engine_id: &str) -> Option<String> {
-        let truncated = engine_id.len() == kvloop_common::PEER_LEN;
-        let m = |id: &str| id == engine_id || (truncated && id.starts_with(engine_id));
+        let m = |id: &str| engine_id_matches(engine_id, id);
         let peers = self.peers.read();
         peers
             .iter()
