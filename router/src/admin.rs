@@ -236,3 +236,38 @@ pub async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) 
     Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs}))
         .into_response()
 }
+
+/// `GET /admin/routes?n=N&request_id=ID` (admin token): the last routed
+/// turns, oldest first ([`crate::explain::RouteRecord`]; `n` default 50,
+/// at most [`crate::explain::RECENT_ROUTES`]).
+pub async fn get_routes(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::RawQuery(raw): axum::extract::RawQuery,
+) -> Response {
+    // `n` and `request_id` (request ids are taken as sent, not
+    // percent-decoded: the router's and most clients' ids need none).
+    let q: std::collections::HashMap<&str, &str> = raw
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .collect();
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    let n = match q.get("n").map(|v| v.parse::<usize>()) {
+        None => 50,
+        Some(Ok(n)) => n.min(crate::explain::RECENT_ROUTES),
+        Some(Err(_)) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("n"),
+                "query `n`: expected a non-negative integer",
+            );
+        }
+    };
+    let routes = s.routes.lock().last(n, q.get("request_id").copied());
+    Json(json!({"policy": s.cfg.policy.as_str(), "routes": routes})).into_response()
+}

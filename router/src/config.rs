@@ -64,6 +64,7 @@ pub enum StoreBackend<'a> {
 /// How P and D are chosen for a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum Policy {
     /// Round robin over healthy engines, pull-vs-recompute by the threshold
     /// rule (vLLM's proxy behaviour).
@@ -140,6 +141,15 @@ pub struct RouterConfig {
     pub store_key_prefix: String,
     /// P/D selection policy [`round_robin`].
     pub policy: Policy,
+    /// Answer every routed request with an `x-kvloop-route` header: why P
+    /// and D were chosen, pull or recompute, the predicted times of the
+    /// chosen and the runner-up option ([`crate::explain::RouteRecord::line`]).
+    /// Names engines to clients: for debugging and demos [false].
+    pub route_header: bool,
+    /// Period of polling the prefill engines' `/metrics` for their queue
+    /// (`vllm:num_requests_waiting` + `running`) under `predicted_ttft`,
+    /// ms; 0: off (each replica counts only its own requests) [250].
+    pub load_interval_ms: u64,
     /// Registered engines [none].
     pub engines: Vec<EngineConfig>,
 }
@@ -171,6 +181,8 @@ impl Default for RouterConfig {
             store_reconnect_max_ms: 5_000,
             store_key_prefix: "kvloop".into(),
             policy: Policy::RoundRobin,
+            route_header: false,
+            load_interval_ms: 250,
             engines: Vec::new(),
         }
     }

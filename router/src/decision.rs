@@ -17,6 +17,9 @@ pub struct Decision {
     pub reason: Reason,
     /// Tokens P will READ instead of computing (0 unless pulled).
     pub reused_tokens: u64,
+    /// Tokens the previous turn's D holds of this prompt (the prefix check
+    /// passed), pulled or not; 0 when nothing could be reused.
+    pub reusable_tokens: u64,
     /// D's params to attach to the prefill request (only when pulled), with
     /// `remote_host` from the registry and the D→P flags; every other member
     /// exactly as D sent it.
@@ -46,6 +49,7 @@ pub fn decide(
     let none = |reason| Decision {
         reason,
         reused_tokens: 0,
+        reusable_tokens: 0,
         attach: None,
         decode_engine_id: None,
     };
@@ -65,6 +69,7 @@ pub fn decide(
         return out;
     }
     let reusable = prompt.tokens.map_or(held, |t| held.min(t.len() as u64));
+    out.reusable_tokens = reusable;
     if !thresholds
         .effective(prefill_engine_id, &d.engine_id, now_ms)
         .should_pull(reusable)

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use kvloop_router::config::PrefixCheckMode;
+use kvloop_router::config::{Policy, PrefixCheckMode};
 use kvloop_router::{MonotonicClock, RouterConfig, start};
 use tracing::info;
 
@@ -35,6 +35,15 @@ struct Cli {
     /// Store capacity in conversations (overrides `store_capacity`).
     #[arg(long)]
     store_capacity: Option<usize>,
+    /// Conversation store, `memory` or a Redis URL (overrides `store`).
+    #[arg(long)]
+    store: Option<String>,
+    /// P/D selection policy (overrides `policy`).
+    #[arg(long, value_enum)]
+    policy: Option<Policy>,
+    /// Answer with `x-kvloop-route` (sets `route_header`).
+    #[arg(long)]
+    route_header: bool,
     /// Print the effective config as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -72,6 +81,13 @@ async fn main() -> anyhow::Result<()> {
     if let Some(v) = cli.store_capacity {
         cfg.store_capacity = v;
     }
+    if let Some(v) = cli.store {
+        cfg.store = v;
+    }
+    if let Some(v) = cli.policy {
+        cfg.policy = v;
+    }
+    cfg.route_header |= cli.route_header;
     if cli.print_config {
         print!("{}", toml::to_string(&cfg)?);
         return Ok(());

@@ -63,6 +63,21 @@ pub struct PullLabels {
     pub outcome: &'static str,
 }
 
+/// One routed turn's selection.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SelectionLabels {
+    /// `round_robin` or `predicted_ttft`.
+    pub policy: String,
+    /// [`crate::select::SelectReason`] label (`round_robin` under that policy).
+    pub reason: String,
+    /// P's engine id.
+    pub prefill_engine_id: String,
+    /// D's engine id.
+    pub decode_engine_id: String,
+    /// `pull` or `recompute`.
+    pub action: String,
+}
+
 /// All metrics.
 pub struct Metrics {
     registry: Registry,
@@ -104,6 +119,11 @@ pub struct Metrics {
     pub store_errors: Family<OpLabel, Counter>,
     /// `kvloop_router_store_reconnects_total`.
     pub store_reconnects: Counter,
+    /// `kvloop_router_selections_total{policy,reason,prefill_engine_id,decode_engine_id,action}`.
+    pub selections: Family<SelectionLabels, Counter>,
+    /// `kvloop_router_selection_margin_seconds`: predicted TTFT of the
+    /// runner-up option minus the chosen one's (`predicted_ttft`).
+    pub selection_margin_seconds: Histogram,
 }
 
 /// `op` of a store error.
@@ -239,8 +259,23 @@ impl Metrics {
             "Reconnections to the conversation store",
             store_reconnects.clone(),
         );
+        let selections = Family::<SelectionLabels, Counter>::default();
+        registry.register(
+            "selections",
+            "Routed turns by policy, reason, chosen P and D, and pull or recompute",
+            selections.clone(),
+        );
+        // 100 µs .. ~3.3 s
+        let selection_margin_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
+        registry.register(
+            "selection_margin_seconds",
+            "Predicted TTFT of the runner-up option minus the chosen one's",
+            selection_margin_seconds.clone(),
+        );
         Self {
             registry,
+            selections,
+            selection_margin_seconds,
             store_up,
             store_errors,
             store_reconnects,

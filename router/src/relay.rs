@@ -151,7 +151,8 @@ impl StoreCtx {
                 fingerprint: fp,
                 expires_at_ms: 0,
             },
-        );
+        )
+        .await;
     }
 }
 
@@ -198,6 +199,10 @@ pub struct Relay {
     first: bool,
     ended: bool,
     finishing: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The bytes carrying `data: [DONE]`, held back until the turn is
+    /// stored: a client sends the next turn as soon as it sees `[DONE]`,
+    /// perhaps to another replica, and must find this one stored.
+    held: Option<Bytes>,
 }
 
 impl Relay {
@@ -219,6 +224,7 @@ impl Relay {
             first: true,
             ended: false,
             finishing: None,
+            held: None,
         }
     }
 }
@@ -234,7 +240,10 @@ impl Stream for Relay {
                     Poll::Pending => Poll::Pending,
                     Poll::Ready(()) => {
                         this.finishing = None;
-                        Poll::Ready(None)
+                        match this.held.take() {
+                            Some(h) => Poll::Ready(Some(Ok(h))),
+                            None => Poll::Ready(None),
+                        }
                     }
                 };
             }
@@ -251,7 +260,18 @@ impl Stream for Relay {
                             .ttft_seconds
                             .observe(this.t0.elapsed().as_secs_f64());
                     }
-                    let out = this.rewriter.feed(&b);
+                    let mut out = this.rewriter.feed(&b);
+                    if this.rewriter.summary.done
+                        && let Some(ctx) = this.ctx.take()
+                    {
+                        // `[DONE]`: store the turn first, then forward it.
+                        this.ended = true;
+                        out.extend(this.rewriter.finish());
+                        let summary = this.rewriter.summary.clone();
+                        this.finishing = Some(Box::pin(ctx.finish(summary, true)));
+                        this.held = (!out.is_empty()).then(|| Bytes::from(out));
+                        continue;
+                    }
                     if !out.is_empty() {
                         return Poll::Ready(Some(Ok(Bytes::from(out))));
                     }

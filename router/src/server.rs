@@ -19,6 +19,7 @@ use tracing::{debug, warn};
 use crate::config::{Policy, PrefixCheckMode};
 use crate::decision::{PromptInfo, decide};
 use crate::error::RouteError;
+use crate::explain::{ROUTE_HEADER, RouteRecord, Routed};
 use crate::fingerprint::{History, HistoryHasher, hash_tokens};
 use crate::metrics::{ReasonLabel, RequestLabels};
 use crate::prefill::{params_for_decode, prefill};
@@ -40,6 +41,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/version", get(crate::admin::version))
         .route("/health", get(crate::admin::health))
         .route("/metrics", get(crate::admin::metrics))
+        .route("/admin/routes", get(crate::admin::get_routes))
         .route(
             THRESHOLDS_PATH,
             put(crate::admin::put_thresholds).get(crate::admin::get_thresholds),
@@ -51,6 +53,7 @@ pub fn app(state: Arc<AppState>) -> Router {
 /// Spawn the background tasks (health checks, store sweeping) for `state`;
 /// they end when the state is dropped.
 pub fn spawn_background(state: &Arc<AppState>) {
+    crate::load_poll::spawn(state);
     let weak = Arc::downgrade(state);
     let period = Duration::from_millis(state.cfg.health_interval_ms.max(10));
     tokio::spawn(async move {
@@ -155,11 +158,20 @@ async fn route_inner(
     // The P whose `/tokenize` counted the prompt (also counts the reply).
     let tokenize_idx = p_idx;
     let mut p_idx = p_idx;
-    let decision = {
+    let (decision, record) = {
         let th = s.thresholds.lock();
         let info = PromptInfo {
             tokens: tokens.as_deref(),
             history,
+        };
+        let routed = |decision: &crate::decision::Decision| Routed {
+            request_id: &request_id,
+            at_ms: now,
+            policy: s.cfg.policy.as_str(),
+            decision: decision.reason.as_str(),
+            reused_tokens: decision.reused_tokens,
+            reusable_tokens: decision.reusable_tokens,
+            previous_decode: None,
         };
         if s.cfg.policy == Policy::PredictedTtft {
             let rr = s.rr_prefill.fetch_add(1, Ordering::Relaxed) as u64;
@@ -178,14 +190,39 @@ async fn route_inner(
                 now,
             )
             .map_err(|e| RouteError::Unavailable(e.role))?;
-            debug!(%request_id, selection = %pl.selection.explain(|i| s.engine_id(i)), "selection");
             (p_idx, d_idx) = (pl.selection.prefill, pl.selection.decode);
-            pl.decision
+            let record = RouteRecord::from_selection(
+                &Routed {
+                    previous_decode: pl.decision.decode_engine_id.as_deref(),
+                    ..routed(&pl.decision)
+                },
+                &pl.selection,
+                |i| s.engine_id(i),
+            );
+            (pl.decision, record)
         } else {
-            decide(lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now)
+            let d = decide(lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now);
+            let record = RouteRecord::round_robin(
+                &Routed {
+                    previous_decode: d.decode_engine_id.as_deref(),
+                    ..routed(&d)
+                },
+                &s.engine_id(p_idx),
+                &s.engine_id(d_idx),
+                d.attach.is_some(),
+            );
+            (d, record)
         }
     };
-    let p_engine_id = s.engine_id(p_idx);
+    let route_line = record.line();
+    // The chosen option's predicted compute on P (a pull's READ happens
+    // before P schedules the request and does not hold P).
+    let compute_ms = record
+        .chosen
+        .as_ref()
+        .map(|c| c.suffix_ms + if c.action == "pull" { 0.0 } else { c.reuse_ms });
+    debug!(%request_id, route = %route_line, "route");
+    s.record_route(record);
     let decode_load = s.load.begin_decode(d_idx);
     s.metrics
         .decisions
@@ -193,7 +230,6 @@ async fn route_inner(
             reason: decision.reason.as_str(),
         })
         .inc();
-    debug!(%request_id, reason = decision.reason.as_str(), reused = decision.reused_tokens, prefill = %p_engine_id, decode = %s.engine_id(d_idx), "decision");
 
     // What to store after the turn.
     let ctx = key.map(|key| {
@@ -221,6 +257,7 @@ async fn route_inner(
     let _prefill_load = s.load.begin_prefill(
         p_idx,
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
+        compute_ms,
     );
     let (p_idx, p_reply) = prefill(s, &req, p_idx, &decision, n_prompt, &request_id)
         .await
@@ -245,6 +282,11 @@ async fn route_inner(
     let mut builder = Response::builder()
         .status(StatusCode::OK)
         .header("x-request-id", &request_id);
+    if s.cfg.route_header
+        && let Ok(v) = axum::http::HeaderValue::from_str(&route_line)
+    {
+        builder = builder.header(ROUTE_HEADER, v);
+    }
     if let Some(ct) = d_resp.headers().get(header::CONTENT_TYPE) {
         builder = builder.header(header::CONTENT_TYPE, ct.clone());
     }

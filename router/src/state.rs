@@ -18,7 +18,8 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker};
 use crate::clock::Clock;
 use crate::config::{PrefixCheckMode, RouterConfig};
-use crate::metrics::{EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels};
+use crate::explain::{RecentRoutes, RouteRecord};
+use crate::metrics::{EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, SelectionLabels};
 use crate::registry::{Registry, Role};
 use crate::select::load::LoadBook;
 use crate::store::{ConvKey, Lookup, Store, StoredTurn};
@@ -55,6 +56,8 @@ pub struct AppState {
     pub(crate) missing_params: Mutex<MissingParams>,
     /// Model ids the engines serve (empty: not known yet, nothing refused).
     models: RwLock<HashSet<String>>,
+    /// The last routed turns (`GET /admin/routes`).
+    pub(crate) routes: Mutex<RecentRoutes>,
 }
 
 /// Errors building the router.
@@ -137,6 +140,7 @@ impl AppState {
             pulls: Mutex::new(PullTracker::default()),
             missing_params: Mutex::new(MissingParams::default()),
             models: RwLock::new(HashSet::new()),
+            routes: Mutex::new(RecentRoutes::default()),
             registry,
             cfg,
         };
@@ -214,15 +218,40 @@ impl AppState {
         }
     }
 
-    /// Store a finished turn.
-    /// The store counts its evictions and updates `store_entries` itself.
-    pub(crate) fn store_turn(&self, key: ConvKey, turn: StoredTurn) {
+    /// Store a finished turn, before the client's answer ends: with a
+    /// shared store (Redis) the conversation's next turn may reach another
+    /// replica as soon as the client has the answer, and must find the
+    /// turn there. Bounded by `store_timeout_ms`; a failure is counted and
+    /// the next turn recomputes. The store counts its evictions and updates
+    /// `store_entries` itself.
+    pub(crate) async fn store_turn(&self, key: ConvKey, turn: StoredTurn) {
         let now = self.now_ms();
         let h = key_hash(&key);
-        self.store.insert_detached(key, turn, now);
+        self.store.insert_or_count(key, turn, now).await;
         self.expiries
             .lock()
             .put(h, now.saturating_add(self.cfg.store_ttl_ms()));
+    }
+
+    /// Count a routed turn (`kvloop_router_selections_total`, the margin
+    /// histogram) and keep it for `GET /admin/routes`.
+    pub(crate) fn record_route(&self, r: RouteRecord) {
+        self.metrics
+            .selections
+            .get_or_create(&SelectionLabels {
+                policy: r.policy.clone(),
+                reason: r.reason.clone(),
+                prefill_engine_id: r.prefill_engine_id.clone(),
+                decode_engine_id: r.decode_engine_id.clone(),
+                action: r.action.clone(),
+            })
+            .inc();
+        if let Some(m) = r.margin_ms() {
+            self.metrics
+                .selection_margin_seconds
+                .observe(m.max(0.0) / 1e3);
+        }
+        self.routes.lock().push(r);
     }
 
     pub(crate) fn engine_id(&self, i: u16) -> String {

@@ -11,14 +11,24 @@ pub const EWMA_ALPHA: f64 = 0.2;
 #[derive(Default)]
 struct Engine {
     outstanding_prefill_tokens: AtomicU64,
+    /// Predicted compute of the outstanding prefills, µs.
+    outstanding_prefill_us: AtomicU64,
     inflight_decode_streams: AtomicU32,
     /// f64 bits of ms per token; 0 = no sample yet.
     ms_per_token_bits: AtomicU64,
+    /// Requests waiting or computing as the engine last reported them
+    /// (`vllm:num_requests_waiting` + `vllm:num_requests_running`);
+    /// `u32::MAX`: not reported.
+    reported_requests: AtomicU32,
 }
 
 /// Per-engine load counters, shared by the request tasks.
 pub struct LoadBook {
     engines: Vec<Engine>,
+    /// f64 bits of the EWMA of computed tokens per prefill (all engines).
+    mean_prefill_tokens_bits: AtomicU64,
+    /// f64 bits of the EWMA of predicted compute per prefill, ms (0: none yet).
+    mean_prefill_ms_bits: AtomicU64,
 }
 
 /// Outstanding prefill tokens on one engine while alive.
@@ -26,6 +36,7 @@ pub struct PrefillGuard {
     book: Arc<LoadBook>,
     engine: u16,
     tokens: u64,
+    compute_us: u64,
 }
 
 impl Drop for PrefillGuard {
@@ -33,6 +44,8 @@ impl Drop for PrefillGuard {
         if let Some(e) = self.book.engines.get(usize::from(self.engine)) {
             e.outstanding_prefill_tokens
                 .fetch_sub(self.tokens, Ordering::Relaxed);
+            e.outstanding_prefill_us
+                .fetch_sub(self.compute_us, Ordering::Relaxed);
         }
     }
 }
@@ -55,21 +68,73 @@ impl LoadBook {
     /// Counters for `n` engines (the registry's size), all zero.
     pub fn new(n: usize) -> Arc<Self> {
         Arc::new(Self {
-            engines: (0..n).map(|_| Engine::default()).collect(),
+            engines: (0..n)
+                .map(|_| Engine {
+                    reported_requests: AtomicU32::new(u32::MAX),
+                    ..Engine::default()
+                })
+                .collect(),
+            mean_prefill_tokens_bits: AtomicU64::new(0),
+            mean_prefill_ms_bits: AtomicU64::new(0),
         })
     }
 
-    /// Count `tokens` outstanding on prefill engine `engine` until the guard
-    /// drops. An unknown index counts nothing.
-    pub fn begin_prefill(self: &Arc<Self>, engine: u16, tokens: u64) -> PrefillGuard {
+    /// Count `tokens` (and `compute_ms`, the selection's prediction of
+    /// their compute, when there is one) outstanding on prefill engine
+    /// `engine` until the guard drops. An unknown index counts nothing.
+    pub fn begin_prefill(
+        self: &Arc<Self>,
+        engine: u16,
+        tokens: u64,
+        compute_ms: Option<f64>,
+    ) -> PrefillGuard {
+        let compute_us = compute_ms
+            .filter(|m| m.is_finite() && *m >= 0.0)
+            .map_or(0, |m| (m * 1e3) as u64);
         if let Some(e) = self.engines.get(usize::from(engine)) {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
+            e.outstanding_prefill_us
+                .fetch_add(compute_us, Ordering::Relaxed);
         }
+        if let Some(m) = compute_ms.filter(|m| m.is_finite() && *m >= 0.0) {
+            let _ = self.mean_prefill_ms_bits.fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |bits| {
+                    Some(
+                        if bits == 0 {
+                            m.max(f64::MIN_POSITIVE)
+                        } else {
+                            let old = f64::from_bits(bits);
+                            old + EWMA_ALPHA * (m - old)
+                        }
+                        .to_bits(),
+                    )
+                },
+            );
+        }
+        let _ = self.mean_prefill_tokens_bits.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |bits| {
+                let t = tokens as f64;
+                Some(
+                    if bits == 0 {
+                        t
+                    } else {
+                        let old = f64::from_bits(bits);
+                        old + EWMA_ALPHA * (t - old)
+                    }
+                    .to_bits(),
+                )
+            },
+        );
         PrefillGuard {
             book: self.clone(),
             engine,
             tokens,
+            compute_us,
         }
     }
 
@@ -115,6 +180,54 @@ impl LoadBook {
             .map_or(0, |e| e.outstanding_prefill_tokens.load(Ordering::Relaxed))
     }
 
+    /// Records what `engine` reported of its queue (`None`: not reported,
+    /// e.g. the scrape failed).
+    pub fn set_reported_requests(&self, engine: u16, requests: Option<u32>) {
+        if let Some(e) = self.engines.get(usize::from(engine)) {
+            e.reported_requests.store(
+                requests.map_or(u32::MAX, |n| n.min(u32::MAX - 1)),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Prefill tokens queued or computing on `engine` by its own report:
+    /// its reported requests × the mean computed tokens of a prefill
+    /// (`None` when it reported nothing). Sees the load that other router
+    /// replicas put on it, which [`Self::outstanding_prefill_tokens`] does not.
+    pub fn reported_prefill_tokens(&self, engine: u16) -> Option<u64> {
+        let n = self
+            .engines
+            .get(usize::from(engine))?
+            .reported_requests
+            .load(Ordering::Relaxed);
+        if n == u32::MAX {
+            return None;
+        }
+        let mean = f64::from_bits(self.mean_prefill_tokens_bits.load(Ordering::Relaxed));
+        Some((f64::from(n) * mean).round() as u64)
+    }
+
+    /// Queue ahead of a new prefill on `engine`, ms, from predicted compute:
+    /// the larger of this replica's outstanding predictions and the
+    /// engine's reported requests × the mean prediction (`None` before any
+    /// prediction was counted).
+    pub fn queue_ms(&self, engine: u16) -> Option<f64> {
+        let e = self.engines.get(usize::from(engine))?;
+        let mean_bits = self.mean_prefill_ms_bits.load(Ordering::Relaxed);
+        if mean_bits == 0 {
+            return None;
+        }
+        let own = e.outstanding_prefill_us.load(Ordering::Relaxed) as f64 / 1e3;
+        let n = e.reported_requests.load(Ordering::Relaxed);
+        let reported = if n == u32::MAX {
+            0.0
+        } else {
+            f64::from(n) * f64::from_bits(mean_bits)
+        };
+        Some(own.max(reported))
+    }
+
     /// In-flight decode streams on `engine`.
     pub fn inflight_decode_streams(&self, engine: u16) -> u32 {
         self.engines
@@ -141,8 +254,8 @@ mod tests {
     #[test]
     fn guards_count_while_alive() {
         let b = LoadBook::new(3);
-        let g1 = b.begin_prefill(0, 100);
-        let g2 = b.begin_prefill(0, 50);
+        let g1 = b.begin_prefill(0, 100, None);
+        let g2 = b.begin_prefill(0, 50, None);
         let d = b.begin_decode(2);
         assert_eq!(b.outstanding_prefill_tokens(0), 150);
         assert_eq!(b.inflight_decode_streams(2), 1);
@@ -151,7 +264,33 @@ mod tests {
         drop((g2, d));
         assert_eq!(b.outstanding_prefill_tokens(0), 0);
         assert_eq!(b.inflight_decode_streams(2), 0);
-        let _ = b.begin_prefill(9, 5); // unknown index: ignored
+        let _ = b.begin_prefill(9, 5, None); // unknown index: ignored
+    }
+
+    #[test]
+    fn reported_queues_are_requests_times_the_mean_prefill() {
+        let b = LoadBook::new(2);
+        assert_eq!(b.reported_prefill_tokens(0), None);
+        drop(b.begin_prefill(0, 1000, None));
+        drop(b.begin_prefill(1, 2000, None)); // mean 1000 + 0.2 × 1000 = 1200
+        b.set_reported_requests(1, Some(3));
+        assert_eq!(b.reported_prefill_tokens(1), Some(3600));
+        b.set_reported_requests(1, None);
+        assert_eq!(b.reported_prefill_tokens(1), None);
+    }
+
+    #[test]
+    fn queue_ms_is_the_larger_of_own_predictions_and_the_report() {
+        let b = LoadBook::new(2);
+        assert_eq!(b.queue_ms(0), None, "no prediction yet");
+        let g = b.begin_prefill(0, 1000, Some(100.0));
+        let _h = b.begin_prefill(0, 1000, Some(200.0)); // mean 100 + 0.2 × 100 = 120
+        assert_eq!(b.queue_ms(0), Some(300.0));
+        assert_eq!(b.queue_ms(1), Some(0.0));
+        b.set_reported_requests(1, Some(2));
+        assert!((b.queue_ms(1).unwrap() - 240.0).abs() < 1e-9);
+        drop(g);
+        assert_eq!(b.queue_ms(0), Some(200.0));
     }
 
     #[test]

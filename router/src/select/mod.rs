@@ -11,9 +11,17 @@
 //!   the reusable prefix (pull it from the previous D, or recompute it),
 //!   predicted TTFT =
 //!   `queue(P) + reuse + suffix`, where
-//!   - `queue(P)` = outstanding prefill tokens on P × P's ms per token (the
+//!   - `queue(P)` = prefill tokens queued on P × P's ms per token (the
 //!     router's measured EWMA, [`load::LoadBook`], else the model's
-//!     `prefill_ms_per_token`);
+//!     `prefill_ms_per_token`); tokens queued = the larger of this
+//!     replica's own outstanding tokens on P and P's own report (its
+//!     `vllm:num_requests_waiting` + `running`, polled every
+//!     `load_interval_ms`, × the mean prefill), which also counts the other
+//!     replicas' requests. Where predictions were counted, the same in ms:
+//!     the larger of this replica's predicted compute outstanding on P and
+//!     P's reported requests × the mean predicted compute
+//!     ([`load::LoadBook::queue_ms`]), which keeps the fixed cost and the
+//!     attention term of long prompts that tokens × ms per token drops;
 //!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
 //!     (P, previous D) model; recompute: `r · (a + b · r/2)`;
 //!   - `suffix` = the `s` new tokens after the `r` reused ones:
@@ -25,7 +33,7 @@
 //!   order. D is chosen by load: not full (`free_kv_blocks` 0 where
 //!   reported), fewest in-flight decode streams, most free KV blocks, then
 //!   round-robin order. Where a healthy P has no valid model (none pushed,
-//!   lapsed, or confidence below [`MIN_MODEL_CONFIDENCE`]), or a pull is
+//!   lapsed, or confidence below [`SELECT_MIN_CONFIDENCE`]), or a pull is
 //!   possible and the (P, previous D) model is missing, predictions cannot be
 //!   compared: the turn falls back to round robin and the threshold rule
 //!   (reason `fallback_no_model`).
@@ -40,16 +48,18 @@
 //! for the chosen P (D's params attached only when pulling). The request
 //! holds [`load::LoadBook`] guards: the prefill's computed tokens
 //! (`prompt − reused`) on P until P answers, one decode stream on D until the
-//! relay ends. The selection is logged at debug level
-//! ([`Selection::explain`]). Not yet: a metric of selections by reason,
-//! `kvloop explain` output, and free KV blocks reported by engines
-//! (`DecodeView::free_kv_blocks` is `None` on the request path).
+//! relay ends. Every routed turn becomes a [`crate::explain::RouteRecord`]:
+//! debug log line, `kvloop_router_selections_total`, the optional
+//! `x-kvloop-route` header and `GET /admin/routes`. Not yet: free KV blocks
+//! reported by engines (`DecodeView::free_kv_blocks` is `None` on the
+//! request path).
 pub mod load;
 pub mod route;
 
 use std::fmt::Write as _;
 
-use crate::thresholds::{Effective, MIN_MODEL_CONFIDENCE};
+use crate::thresholds::Effective;
+
 use kvloop_router_api::CostModelCoefficients;
 
 pub use crate::config::Policy;
@@ -65,6 +75,13 @@ pub struct PrefillView {
     pub outstanding_tokens: u64,
     /// Measured cost, ms per computed token (`None`: no sample yet).
     pub measured_ms_per_token: Option<f64>,
+    /// Prefill tokens queued or computing by the engine's own report (all
+    /// replicas' requests; [`load::LoadBook::reported_prefill_tokens`]).
+    pub reported_tokens: Option<u64>,
+    /// Queue ahead on P from predicted compute, ms
+    /// ([`load::LoadBook::queue_ms`]); replaces tokens × ms per token when
+    /// known.
+    pub queue_ms: Option<f64>,
 }
 
 /// A decode engine as the selection sees it.
@@ -210,8 +227,16 @@ fn rr_rank(pos: usize, n: usize, rr: u64) -> usize {
     (pos + n - (rr as usize) % n) % n
 }
 
+/// Lowest model confidence the selection predicts with. Below the
+/// threshold rule's [`crate::thresholds::MIN_MODEL_CONFIDENCE`]: comparing options only needs
+/// the model to rank them, and on a busy node a path's READ times scatter
+/// (the agent's confidence falls with residual noise) while its cost still
+/// differs from the others' by orders of magnitude; below this floor the
+/// turn falls back to round robin and the threshold rule.
+pub const SELECT_MIN_CONFIDENCE: f64 = 0.2;
+
 fn valid(m: &Option<CostModelCoefficients>) -> Option<&CostModelCoefficients> {
-    m.as_ref().filter(|m| m.confidence >= MIN_MODEL_CONFIDENCE)
+    m.as_ref().filter(|m| m.confidence >= SELECT_MIN_CONFIDENCE)
 }
 
 /// D by load (see the module docs).
@@ -289,7 +314,10 @@ pub fn select(
         }
         let (a, b) = (m.prefill_ms_per_token, m.prefill_ms_per_token_ctx);
         let per_token = p.measured_ms_per_token.unwrap_or(a);
-        let queue_ms = p.outstanding_tokens as f64 * per_token;
+        // The larger of this replica's own count and the engine's report
+        // (which also holds other replicas' requests, but lags).
+        let queued = p.outstanding_tokens.max(p.reported_tokens.unwrap_or(0));
+        let queue_ms = p.queue_ms.unwrap_or(queued as f64 * per_token);
         let rf = r as f64;
         let s = (turn.prompt_tokens - r) as f64;
         let suffix_ms = s * (a + b * (rf + s / 2.0));

@@ -81,6 +81,7 @@ pub fn place(
                 probe.reason
             },
             reused_tokens: 0,
+            reusable_tokens: probe.reusable_tokens,
             attach: None,
             decode_engine_id: probe.decode_engine_id,
         }
@@ -120,6 +121,8 @@ pub fn place_with_load(
             healthy: healthy(index),
             outstanding_tokens: load.outstanding_prefill_tokens(index),
             measured_ms_per_token: None,
+            reported_tokens: load.reported_prefill_tokens(index),
+            queue_ms: load.queue_ms(index),
         })
         .collect();
     let dv: Vec<DecodeView> = decode_idx
@@ -207,6 +210,8 @@ mod tests {
             healthy: true,
             outstanding_tokens: 0,
             measured_ms_per_token: None,
+            reported_tokens: None,
+            queue_ms: None,
         };
         let d = DecodeView {
             index: 2,

@@ -29,6 +29,8 @@ fn p(index: u16, outstanding_tokens: u64) -> PrefillView {
         healthy: true,
         outstanding_tokens,
         measured_ms_per_token: None,
+        reported_tokens: None,
+        queue_ms: None,
     }
 }
 
@@ -122,7 +124,7 @@ fn without_valid_models_predicted_falls_back_to_round_robin_and_threshold() {
     // Confidence below the minimum counts as no model.
     let weak = |_, _| {
         let mut m = model(0.001);
-        m.confidence = MIN_MODEL_CONFIDENCE / 2.0;
+        m.confidence = SELECT_MIN_CONFIDENCE / 2.0;
         eff(Some(m))
     };
     let s = select(Policy::PredictedTtft, &ps, &ds, &turn(500, 100), weak, 0).unwrap();

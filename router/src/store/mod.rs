@@ -364,29 +364,15 @@ impl Store {
         }
     }
 
-    /// Insert without waiting: in place for memory, on a spawned task for
-    /// Redis (its errors are counted; the next turn recomputes).
-    pub fn insert_detached(
-        self: &std::sync::Arc<Self>,
-        key: ConvKey,
-        turn: StoredTurn,
-        now_ms: u64,
-    ) {
-        match &self.backend {
-            Backend::Memory(m) => {
-                let ev = m.0.lock().insert(key, turn, now_ms);
-                self.report(ev.dropped);
-                self.publish_len();
-            }
-            Backend::Redis(_) => {
-                let me = self.clone();
-                tokio::spawn(async move {
-                    if let Ok(ev) = ConversationStore::insert(&*me, key, turn, now_ms).await {
-                        me.report(ev.dropped);
-                    }
-                });
-            }
+    /// Insert and wait for it (Redis: one command, bounded by the pool's
+    /// command timeout); a failure is counted in
+    /// `kvloop_router_store_errors_total` by the backend and the
+    /// conversation's next turn recomputes.
+    pub async fn insert_or_count(&self, key: ConvKey, turn: StoredTurn, now_ms: u64) {
+        if let Ok(ev) = ConversationStore::insert(self, key, turn, now_ms).await {
+            self.report(ev.dropped);
         }
+        self.publish_len();
     }
 
     /// Drop expired entries now (memory), updating the metrics.

@@ -1,0 +1,108 @@
+//! Engine load polling (`policy = "predicted_ttft"`, every
+//! `load_interval_ms`): each prefill engine's `GET /metrics` is read for
+//! vLLM's `vllm:num_requests_waiting` and `vllm:num_requests_running`, so
+//! the selection sees the queue that every router replica together put on
+//! a P, not only this replica's own requests. The parsing is pure
+//! ([`queue_requests`]); a failed scrape leaves the engine unreported (the
+//! selection then counts only this replica's requests).
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::state::AppState;
+
+/// Sum of the `vllm:num_requests_waiting` and `vllm:num_requests_running`
+/// samples (every label set, e.g. one per model) in Prometheus text;
+/// `None` when neither appears.
+pub fn queue_requests(text: &str) -> Option<u32> {
+    let mut seen = false;
+    let mut sum = 0.0f64;
+    for line in text.lines() {
+        let Some(rest) = line
+            .strip_prefix("vllm:num_requests_waiting")
+            .or_else(|| line.strip_prefix("vllm:num_requests_running"))
+        else {
+            continue;
+        };
+        // The name must end here: a label set or a space follows.
+        let rest = match rest.chars().next() {
+            Some('{') => rest.split_once('}').map_or("", |(_, v)| v),
+            Some(' ') => rest,
+            _ => continue,
+        };
+        if let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            && v.is_finite()
+            && v >= 0.0
+        {
+            sum += v;
+            seen = true;
+        }
+    }
+    seen.then(|| sum.round().min(f64::from(u32::MAX - 1)) as u32)
+}
+
+impl AppState {
+    /// Polls every prefill engine's queue once.
+    pub async fn poll_load(&self) {
+        for &i in &self.prefill_idx {
+            let Some(e) = self.registry.get(i) else {
+                continue;
+            };
+            let got = async {
+                let r = self
+                    .upstream
+                    .http
+                    .get(format!("{}/metrics", e.http_url))
+                    .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
+                    .send()
+                    .await
+                    .ok()?;
+                if !r.status().is_success() {
+                    return None;
+                }
+                queue_requests(&r.text().await.ok()?)
+            }
+            .await;
+            self.load.set_reported_requests(i, got);
+        }
+    }
+}
+
+/// Spawns the poller of `state` (none when `load_interval_ms` is 0 or the
+/// policy does not predict); it ends when the state is dropped.
+pub fn spawn(state: &Arc<AppState>) {
+    if state.cfg.load_interval_ms == 0 || state.cfg.policy != crate::config::Policy::PredictedTtft {
+        return;
+    }
+    let weak = Arc::downgrade(state);
+    let period = Duration::from_millis(state.cfg.load_interval_ms.max(10));
+    tokio::spawn(async move {
+        loop {
+            let Some(s) = weak.upgrade() else { break };
+            s.poll_load().await;
+            drop(s);
+            tokio::time::sleep(period).await;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::queue_requests;
+
+    #[test]
+    fn waiting_and_running_are_summed_over_label_sets() {
+        let t = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+                 vllm:num_requests_waiting{model_name=\"a\"} 2.0\n\
+                 vllm:num_requests_waiting{model_name=\"b\"} 1\n\
+                 vllm:num_requests_running 1\n\
+                 vllm:num_requests_waiting_by_reason{reason=\"x\"} 9\n\
+                 vllm:num_requests_swapped 7\n";
+        assert_eq!(queue_requests(t), Some(4));
+        assert_eq!(queue_requests("vllm:num_requests_running NaN\n"), None);
+        assert_eq!(queue_requests("other 1\n"), None);
+        assert_eq!(queue_requests("vllm:num_requests_running 0\n"), Some(0));
+    }
+}
