@@ -255,7 +255,7 @@ pub struct PeerConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterTarget {
-    /// Base URL, e.g. `http://10.0.0.9:8000`.
+    /// Base URL, e.g. `http://10.0.0.9:8000`, or a name resolved every push period and pushed at each of its addresses (a headless Service reaches every replica).
     pub url: String,
     /// Bearer token (the router's `admin_token`); `KVLOOP_AGENT_ROUTER_TOKEN`
     /// (flag `--router-token`) fills it for every router, over the file.

@@ -140,7 +140,10 @@ def test_chart_with_other_values_renders_valid_objects():
     token_env = [e for e in c["env"] if e["name"] == "KVLOOP_AGENT_ROUTER_TOKEN"][0]
     assert token_env["valueFrom"]["secretKeyRef"]["name"] == "my-router-token"
     cm = find(objs, "ConfigMap", "prod-kvloop-agent-config")
-    assert 'url = "http://prod-kvloop-router.ml.svc.cluster.local:8000"' in cm["data"]["agent.toml"]
+    # Agents push to every replica, through the headless Service.
+    assert 'url = "http://prod-kvloop-router-headless.ml.svc.cluster.local:8000"' in cm["data"]["agent.toml"]
+    headless = find(objs, "Service", "prod-kvloop-router-headless")
+    assert headless["spec"]["clusterIP"] == "None"
     dep = find(objs, "Deployment", "prod-kvloop-router")
     assert dep["spec"]["replicas"] == 2
     dash = find(objs, "ConfigMap", "prod-kvloop-dashboard")

@@ -1,42 +1,93 @@
 //! Threshold pushes: every router gets the agent's pair thresholds every
-//! push period, and at once after a path invalidation.
+//! push period, and at once after a path invalidation. A router URL whose
+//! host is a name is resolved every period and pushed at each of its
+//! addresses, so every replica behind one name (a Kubernetes headless
+//! Service, several A records) gets every update; replicas that come and
+//! go are followed at the next period.
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvloop_router_api::{THRESHOLDS_PATH, ThresholdUpdate};
 
 use crate::agent::Agent;
+use crate::config::RouterTarget;
 use crate::metrics::labels;
 
-/// Pushes thresholds to every router every push period (and at once after
-/// a path invalidation). Each router is pushed by its own task, with
-/// retries and back-off; a push still in flight is not duplicated.
+/// The base URLs to push `r` at: `r.url` itself when its host is an IP
+/// address (or cannot be parsed: the push then reports the error), else
+/// one `scheme://address` per address the name resolves to now (none when
+/// it resolves to nothing: logged at debug level, retried next period).
+async fn targets(r: &RouterTarget) -> Vec<String> {
+    let Ok(u) = reqwest::Url::parse(&r.url) else {
+        return vec![r.url.clone()];
+    };
+    let (Some(host), Some(port)) = (u.host_str(), u.port_or_known_default()) else {
+        return vec![r.url.clone()];
+    };
+    if host
+        .trim_matches(['[', ']'])
+        .parse::<std::net::IpAddr>()
+        .is_ok()
+    {
+        return vec![r.url.clone()];
+    }
+    match tokio::net::lookup_host((host, port)).await {
+        Ok(addrs) => {
+            let mut v: Vec<SocketAddr> = addrs.collect();
+            v.sort();
+            v.dedup();
+            v.into_iter()
+                .map(|a| {
+                    let mut t = u.clone();
+                    let _ = t.set_ip_host(a.ip());
+                    t.as_str().trim_end_matches('/').to_string()
+                })
+                .collect()
+        }
+        Err(e) => {
+            tracing::debug!(router = %r.url, error = %e, "router name does not resolve; retrying next period");
+            Vec::new()
+        }
+    }
+}
+
+/// Pushes thresholds to every router address every push period (and at
+/// once after a path invalidation). Each address is pushed by its own
+/// task, with retries and back-off; a push still in flight is not
+/// duplicated.
 pub async fn run(agent: Arc<Agent>) {
     if agent.config().routers.is_empty() {
         return;
     }
-    let in_flight: Vec<Arc<std::sync::atomic::AtomicBool>> = agent
-        .config()
-        .routers
-        .iter()
-        .map(|_| Arc::new(std::sync::atomic::AtomicBool::new(false)))
-        .collect();
+    let mut in_flight: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let period = Duration::from_millis(agent.config().push_period_ms);
     loop {
         let update = agent.threshold_update();
-        for (i, r) in agent.config().routers.iter().enumerate() {
-            if in_flight[i].swap(true, std::sync::atomic::Ordering::AcqRel) {
-                continue;
+        let mut seen = Vec::new();
+        for r in &agent.config().routers {
+            for url in targets(r).await {
+                let flag = in_flight.entry(url.clone()).or_default().clone();
+                seen.push(url.clone());
+                if flag.swap(true, Ordering::AcqRel) {
+                    continue;
+                }
+                let agent2 = agent.clone();
+                let target = RouterTarget {
+                    url,
+                    token: r.token.clone(),
+                };
+                let update = update.clone();
+                tokio::spawn(async move {
+                    push_one(&agent2, &target, &update).await;
+                    flag.store(false, Ordering::Release);
+                });
             }
-            let flag = in_flight[i].clone();
-            let agent2 = agent.clone();
-            let r = r.clone();
-            let update = update.clone();
-            tokio::spawn(async move {
-                push_one(&agent2, &r, &update).await;
-                flag.store(false, std::sync::atomic::Ordering::Release);
-            });
         }
+        // Addresses gone from DNS: forget them (a push in flight finishes).
+        in_flight.retain(|u, _| seen.contains(u));
         tokio::select! {
             _ = tokio::time::sleep(period) => {}
             _ = agent.push_wanted() => {}
@@ -44,7 +95,7 @@ pub async fn run(agent: Arc<Agent>) {
     }
 }
 
-async fn push_one(agent: &Agent, r: &crate::config::RouterTarget, u: &ThresholdUpdate) {
+async fn push_one(agent: &Agent, r: &RouterTarget, u: &ThresholdUpdate) {
     let url = format!("{}{}", r.url.trim_end_matches('/'), THRESHOLDS_PATH);
     let mut delay = Duration::from_millis(agent.config().push_retry_initial_ms);
     for attempt in 1..=agent.config().push_attempts {
@@ -93,5 +144,35 @@ async fn push_one(agent: &Agent, r: &crate::config::RouterTarget, u: &ThresholdU
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_millis(agent.config().push_period_ms));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(url: &str) -> RouterTarget {
+        RouterTarget {
+            url: url.into(),
+            token: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_address_is_pushed_as_is_and_a_name_at_each_of_its_addresses() {
+        assert_eq!(
+            targets(&target("http://10.0.0.9:8000")).await,
+            ["http://10.0.0.9:8000"]
+        );
+        assert_eq!(targets(&target("not a url")).await, ["not a url"]);
+        // `localhost` resolves from /etc/hosts (127.0.0.1, perhaps ::1).
+        let t = targets(&target("http://localhost:18000")).await;
+        assert!(t.contains(&"http://127.0.0.1:18000".to_string()), "{t:?}");
+        assert!(t.iter().all(|u| !u.contains("localhost")), "{t:?}");
+        assert!(
+            targets(&target("http://no-such-router.invalid:1"))
+                .await
+                .is_empty()
+        );
     }
 }
