@@ -173,6 +173,12 @@ pub struct SimConfig {
     /// latency) to it, which feeds the agent's cost model.
     #[arg(long)]
     pub agent_socket: Option<std::path::PathBuf>,
+    /// Prefills computed at once (P); later ones wait in arrival order, as
+    /// requests queue behind a busy GPU. 0: no limit (each prefill computes
+    /// as if alone). READs of D's blocks happen before the wait, as vLLM
+    /// loads remote KV before scheduling the request.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_concurrency: usize,
 }
 
 impl Default for SimConfig {
@@ -210,6 +216,7 @@ impl Default for SimConfig {
             kv_read_timeout_ms: 5_000,
             tokenizer: TokenizerKind::Words,
             agent_socket: None,
+            prefill_concurrency: 0,
         }
     }
 }

@@ -18,9 +18,13 @@ use crate::managed;
 use crate::metrics;
 use crate::params::{HeldBlocks, kv_transfer_params};
 use crate::profile::CostProfile;
-use crate::stats::{READ_LOG_CAPACITY, ReadLogEntry, Stats, StatsSnapshot};
+use crate::stats::{PrefillLogEntry, READ_LOG_CAPACITY, ReadLogEntry, Stats, StatsSnapshot};
 use crate::tokenizer::tokenize_body_with;
 use crate::transfer::KvTransfer;
+
+/// How long blocks of an abandoned READ stay out of use, ms: well beyond
+/// any READ's timeout (5 s default), so the provider has completed or failed it.
+pub const PARKED_BLOCKS_MS: u64 = 60_000;
 
 /// Shared state of one engine.
 pub struct Engine {
@@ -42,6 +46,13 @@ pub struct Engine {
     pub(crate) reading: Mutex<HashMap<String, Hold>>,
     pub(crate) metrics: metrics::Metrics,
     pub(crate) read_log: Mutex<std::collections::VecDeque<ReadLogEntry>>,
+    /// Prefills computed (`GET /sim/prefills`).
+    pub(crate) prefill_log: Mutex<std::collections::VecDeque<PrefillLogEntry>>,
+    /// Blocks of abandoned READs, out of use until the deadline
+    /// ([`Engine::park_blocks`]).
+    pub(crate) parked: Mutex<Vec<(Instant, Vec<u32>)>>,
+    /// `--prefill-concurrency` slots (`None`: no limit).
+    pub(crate) prefill_slots: Option<tokio::sync::Semaphore>,
     pub(crate) agent: Option<Arc<managed::AgentLink>>,
     /// Managed mode: the agent connection was lost; holds are swept locally.
     pub(crate) agent_lost: std::sync::atomic::AtomicBool,
@@ -65,13 +76,46 @@ impl Engine {
             mismatched_blocks: s.mismatched_blocks.load(Ordering::Relaxed),
             kv_mode: Some(self.cfg.kv_mode),
             holds: self.holds.lock().len() as u64,
+            profile: self.profile.clone(),
+            time_scale: Some(self.cfg.time_scale),
             last_tokens_header: self.last_tokens_header.lock().clone(),
             last_kv_transfer_params: self.last_params.lock().clone(),
         }
     }
 
+    /// Takes `ids` out of use because an abandoned READ may still write
+    /// them, and returns as many fresh blocks for the request to compute
+    /// into. The node agent's dataplane quarantines them as READ
+    /// destinations until the provider completes; the engine, which writes
+    /// and serves them itself, keeps them out of use for
+    /// [`PARKED_BLOCKS_MS`] (freed by [`Engine::sweep`]). Without fresh
+    /// blocks free, the caller gets an empty list and the request recomputes
+    /// without KV to serve.
+    pub(crate) async fn park_blocks(&self, ids: Vec<u32>) -> Vec<u32> {
+        let n = ids.len();
+        self.metrics.parked_blocks.inc_by(n as i64);
+        self.parked.lock().push((
+            Instant::now() + std::time::Duration::from_millis(PARKED_BLOCKS_MS),
+            ids,
+        ));
+        self.allocate_blocks(n).await
+    }
+
     /// Free every hold whose deadline has passed.
     pub(crate) fn sweep(&self, now: Instant) {
+        {
+            let mut parked = self.parked.lock();
+            let mut alloc = self.alloc.lock();
+            parked.retain(|(until, ids)| {
+                if *until <= now {
+                    alloc.release(ids);
+                    self.metrics.parked_blocks.dec_by(ids.len() as i64);
+                    false
+                } else {
+                    true
+                }
+            });
+        }
         let mut holds = self.holds.lock();
         let agent_lost = self.agent_lost.load(Ordering::Relaxed);
         let expired: Vec<String> = holds
@@ -164,6 +208,23 @@ impl Engine {
     /// Tokens of a request body with this engine's tokenizer.
     pub(crate) fn tokenize(&self, body: &Value) -> Result<Vec<u32>, String> {
         tokenize_body_with(self.cfg.tokenizer, body)
+    }
+
+    pub(crate) fn log_prefill(&self, entry: PrefillLogEntry) {
+        let mut log = self.prefill_log.lock();
+        if log.len() >= READ_LOG_CAPACITY {
+            log.pop_front();
+        }
+        log.push_back(entry);
+    }
+
+    /// Waits for a prefill slot (`--prefill-concurrency`; none without a
+    /// limit); the slot is held until the permit drops.
+    pub(crate) async fn prefill_slot(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        match &self.prefill_slots {
+            Some(s) => s.acquire().await.ok(),
+            None => None,
+        }
     }
 
     pub(crate) fn log_read(&self, entry: ReadLogEntry) {

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible handlers (`/v1/completions`, `/v1/chat/completions`,
 //! `/v1/models`, `/tokenize`) and the simulator's own endpoints
-//! (`/sim/stats`, `/sim/reads`, `/metrics`). Decoding is in [`crate::decode`].
+//! (`/sim/stats`, `/sim/reads`, `/sim/prefills`, `/metrics`). Decoding is in [`crate::decode`].
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -15,7 +15,31 @@ use crate::api::{Api, CREATED, knob};
 use crate::config::Role;
 use crate::decode::{BlockGuard, DecodeJob, decode_full, decode_stream};
 use crate::engine::Engine;
-use crate::stats::ReadLogEntry;
+use crate::stats::{PrefillLogEntry, ReadLogEntry};
+
+/// Counts one request in a gauge while alive (also when the handler is
+/// cancelled by a client that went away).
+struct InGauge(prometheus_client::metrics::gauge::Gauge);
+
+impl InGauge {
+    fn new(g: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        g.inc();
+        Self(g.clone())
+    }
+}
+
+impl Drop for InGauge {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// Wall-clock time, Unix ms.
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
 
 pub(crate) async fn completions(
     State(e): State<Arc<Engine>>,
@@ -46,6 +70,8 @@ struct Generation {
     tokens: Arc<Vec<u32>>,
     params: Option<Value>,
     request_id: String,
+    /// The caller's `x-request-id`, if any.
+    caller_request_id: Option<String>,
     arrived: Instant,
 }
 
@@ -86,6 +112,10 @@ fn parse_generation(e: &Engine, headers: &HeaderMap, raw: &[u8]) -> Result<Gener
         .cloned();
     *e.last_params.lock() = params.clone();
     Ok(Generation {
+        caller_request_id: headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
         request_id: e.new_request_id(),
         body,
         tokens,
@@ -102,8 +132,10 @@ async fn prefill(e: Arc<Engine>, api: Api, g: Generation) -> Response {
         tokens,
         params,
         request_id,
+        caller_request_id,
         arrived,
     } = g;
+    let arrived_unix_ms = unix_ms();
     let params = params.as_ref();
     let n_prompt = tokens.len() as u64;
     let has_blocks = params
@@ -115,14 +147,41 @@ async fn prefill(e: Arc<Engine>, api: Api, g: Generation) -> Response {
             "simulated prefill failure",
         );
     }
-    let ids = e.allocate_blocks(e.blocks_for(n_prompt)).await;
-    let (reused, verify) = e.pull(&request_id, params, &tokens, true, &ids).await;
+    let waiting = InGauge::new(&e.metrics.requests_waiting);
+    let mut ids = e.allocate_blocks(e.blocks_for(n_prompt)).await;
+    let pulled = e.pull(&request_id, params, &tokens, true, &ids).await;
+    let (reused, verify) = (pulled.reused, pulled.verify);
+    if pulled.abandoned {
+        ids = e.park_blocks(ids).await;
+    }
+    let read_ms = arrived.elapsed().as_secs_f64() * 1e3;
+    let waited = Instant::now();
+    let slot = e.prefill_slot().await;
+    let queue = waited.elapsed();
+    drop(waiting);
+    let running = InGauge::new(&e.metrics.requests_running);
+    let compute_start_unix_ms = unix_ms();
     let reused = e.compute_prompt(&ids, &tokens, reused, verify).await;
+    drop(slot);
+    drop(running);
     let computed = n_prompt - reused;
     let prefill_time = arrived.elapsed();
     e.metrics.ttft_seconds.observe(prefill_time.as_secs_f64());
     e.metrics.generation_tokens.inc();
-    e.report_prefill(n_prompt, reused, prefill_time);
+    // The agent's prefill model wants the READ and the compute, not the
+    // wait for a slot (0 without `--prefill-concurrency`).
+    e.report_prefill(n_prompt, reused, prefill_time.saturating_sub(queue));
+    e.log_prefill(PrefillLogEntry {
+        request_id: caller_request_id.unwrap_or_else(|| request_id.clone()),
+        engine_request_id: request_id.clone(),
+        prompt_tokens: n_prompt,
+        reused_tokens: reused,
+        arrived_unix_ms,
+        compute_start_unix_ms,
+        compute_end_unix_ms: unix_ms(),
+        read_ms,
+        queue_ms: queue.as_secs_f64() * 1e3,
+    });
     let kv = e
         .hold(
             &request_id,
@@ -160,6 +219,7 @@ async fn decode(e: Arc<Engine>, api: Api, g: Generation) -> Response {
         params,
         request_id,
         arrived,
+        ..
     } = g;
     if knob(&body, "fail_decode") {
         return error(
@@ -168,13 +228,18 @@ async fn decode(e: Arc<Engine>, api: Api, g: Generation) -> Response {
         );
     }
     let n_prompt = tokens.len() as u64;
-    let blocks = BlockGuard {
+    let mut blocks = BlockGuard {
         ids: e.allocate_blocks(e.blocks_for(n_prompt)).await,
         engine: e.clone(),
     };
-    let (reused, verify) = e
+    let pulled = e
         .pull(&request_id, params.as_ref(), &tokens, false, &blocks.ids)
         .await;
+    let (reused, verify) = (pulled.reused, pulled.verify);
+    if pulled.abandoned {
+        let old = std::mem::take(&mut blocks.ids);
+        blocks.ids = e.park_blocks(old).await;
+    }
     e.compute_prompt(&blocks.ids, &tokens, reused, verify).await;
     e.metrics
         .ttft_seconds
@@ -237,6 +302,12 @@ pub(crate) async fn stats(State(e): State<Arc<Engine>>) -> Response {
 
 pub(crate) async fn reads(State(e): State<Arc<Engine>>) -> Response {
     let log: Vec<ReadLogEntry> = e.read_log.lock().iter().cloned().collect();
+    Json(log).into_response()
+}
+
+/// `GET /sim/prefills`: the prefill log, oldest first.
+pub(crate) async fn prefills(State(e): State<Arc<Engine>>) -> Response {
+    let log: Vec<PrefillLogEntry> = e.prefill_log.lock().iter().cloned().collect();
     Json(log).into_response()
 }
 

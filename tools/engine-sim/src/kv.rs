@@ -403,10 +403,12 @@ impl KvTransfer for DataplaneTransfer {
             let engine = self.kv.transfer_engine().ok_or_else(|| {
                 TransferError::Transfer("managed mode: READs go through the node agent".into())
             })?;
-            engine
-                .read(&dp)
-                .await
-                .map_err(|e| TransferError::Transfer(e.to_string()))?;
+            engine.read(&dp).await.map_err(|e| match e {
+                e @ kvloop_dataplane::DataplaneError::Timeout { .. } => {
+                    TransferError::Abandoned(e.to_string())
+                }
+                e => TransferError::Transfer(e.to_string()),
+            })?;
             Ok(req.num_tokens)
         })
     }

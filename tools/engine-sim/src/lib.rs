@@ -90,7 +90,7 @@ pub use engine::Engine;
 pub use kv::{DataplaneTransfer, KvMemory, KvShape, VerifyOutcome};
 pub use profile::CostProfile;
 pub use server::{SimHandle, kv_shape, spawn, spawn_with_transfer};
-pub use stats::{READ_LOG_CAPACITY, ReadLogEntry, StatsSnapshot};
+pub use stats::{PrefillLogEntry, READ_LOG_CAPACITY, ReadLogEntry, StatsSnapshot};
 pub use tokenizer::{
     render_chat, token_id, tokenize_body, tokenize_body_with, tokenize_pieces, tokenize_text,
     tokenize_with,

@@ -615,6 +615,16 @@ impl KvTransfer for AgentTransfer {
                 Err(ClientError::Api(e)) if e.kind == ErrorKind::Lease => {
                     Err(TransferError::Declined(e.to_string()))
                 }
+                // Timed out at the agent (its destination blocks are
+                // quarantined there), or the agent went away mid-READ.
+                Err(ClientError::Api(e)) if e.kind == ErrorKind::Timeout => {
+                    Err(TransferError::Abandoned(e.to_string()))
+                }
+                Err(e @ ClientError::Io(_)) => {
+                    self.connected.lock().await.1.remove(&req.remote_engine_id);
+                    warn!(error = %e, "agent connection failed during a READ");
+                    Err(TransferError::Abandoned(e.to_string()))
+                }
                 Err(e) => {
                     // The owner may have restarted (new layout, new side
                     // channel): connect afresh next time.

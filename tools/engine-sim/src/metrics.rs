@@ -6,6 +6,7 @@
 //! own counters (verified and mismatched blocks, reused and computed tokens).
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -32,6 +33,16 @@ pub struct Metrics {
     pub reused_tokens: Counter,
     /// `kvloop_sim_computed_tokens_total`: prompt tokens computed.
     pub computed_tokens: Counter,
+    /// `vllm:num_requests_waiting`: requests arrived and not yet computing
+    /// (READing remote KV, or waiting for a prefill slot), as vLLM counts
+    /// its waiting queue.
+    pub requests_waiting: Gauge,
+    /// `vllm:num_requests_running`: requests computing their prompt (P) or
+    /// decoding (D).
+    pub requests_running: Gauge,
+    /// `kvloop_sim_parked_blocks`: blocks out of use because an abandoned
+    /// READ may still write them.
+    pub parked_blocks: Gauge,
 }
 
 impl Default for Metrics {
@@ -60,6 +71,9 @@ impl Metrics {
             mismatched_blocks: Counter::default(),
             reused_tokens: Counter::default(),
             computed_tokens: Counter::default(),
+            requests_waiting: Gauge::default(),
+            requests_running: Gauge::default(),
+            parked_blocks: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -111,6 +125,21 @@ impl Metrics {
             "kvloop_sim_computed_tokens",
             "Prompt tokens computed locally",
             m.computed_tokens.clone(),
+        );
+        registry.register(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be computed",
+            m.requests_waiting.clone(),
+        );
+        registry.register(
+            "vllm:num_requests_running",
+            "Requests being computed",
+            m.requests_running.clone(),
+        );
+        registry.register(
+            "kvloop_sim_parked_blocks",
+            "Blocks out of use because an abandoned READ may still write them",
+            m.parked_blocks.clone(),
         );
         Self { registry, ..m }
     }

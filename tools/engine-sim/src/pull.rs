@@ -14,6 +14,17 @@ use crate::kv::VerifyOutcome;
 use crate::stats::ReadLogEntry;
 use crate::transfer::ReadRequest;
 
+/// What a pull did.
+pub(crate) struct Pulled {
+    /// Tokens read (0: nothing; recompute).
+    pub(crate) reused: u64,
+    /// The verification of the READ blocks, running.
+    pub(crate) verify: Option<tokio::task::JoinHandle<VerifyOutcome>>,
+    /// The READ was abandoned and may still write the destination blocks:
+    /// the caller computes into fresh blocks ([`Engine::park_blocks`]).
+    pub(crate) abandoned: bool,
+}
+
 impl Engine {
     /// Try to READ the KV the params describe; returns the tokens reused (0 on
     /// any failure) and, with real KV, the pending verification of the READ blocks.
@@ -24,8 +35,8 @@ impl Engine {
         tokens: &Arc<Vec<u32>>,
         expect_from_decode: bool,
         local_block_ids: &[u32],
-    ) -> (u64, Option<tokio::task::JoinHandle<VerifyOutcome>>) {
-        let r = self
+    ) -> Pulled {
+        let (r, abandoned) = self
             .pull_inner(
                 request_id,
                 params,
@@ -35,14 +46,22 @@ impl Engine {
             )
             .await;
         if r == 0 {
-            return (0, None);
+            return Pulled {
+                reused: 0,
+                verify: None,
+                abandoned,
+            };
         }
         let verify = self.kv.clone().map(|kv| {
             let ids = local_block_ids.to_vec();
             let tokens = tokens.clone();
             tokio::task::spawn_blocking(move || kv.verify_tokens(&ids, &tokens, r as usize))
         });
-        (r, verify)
+        Pulled {
+            reused: r,
+            verify,
+            abandoned: false,
+        }
     }
 
     async fn pull_inner(
@@ -52,10 +71,10 @@ impl Engine {
         tokens: &Arc<Vec<u32>>,
         expect_from_decode: bool,
         local_block_ids: &[u32],
-    ) -> u64 {
+    ) -> (u64, bool) {
         let prompt_tokens = tokens.len() as u64;
         let Some(mut req) = self.wanted_read(params, prompt_tokens, expect_from_decode) else {
-            return 0;
+            return (0, false);
         };
         let n_local = self.blocks_for(req.num_tokens).min(local_block_ids.len());
         req.local_block_ids = local_block_ids[..n_local].to_vec();
@@ -88,14 +107,14 @@ impl Engine {
                 self.metrics.xfer_bytes.observe(bytes as f64);
                 entry.tokens = n;
                 entry.bytes = bytes;
-                n
+                (n, false)
             }
             Err(e) => {
                 warn!(engine = %self.cfg.engine_id, error = %e, "READ declined; recomputing locally");
                 self.stats.reads_declined.fetch_add(1, Ordering::Relaxed);
                 self.metrics.failed_transfers.inc();
                 entry.error = Some(e.to_string());
-                0
+                (0, e.may_still_write())
             }
         };
         self.log_read(entry);

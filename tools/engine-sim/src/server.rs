@@ -273,6 +273,10 @@ fn new_engine(
         reading: Mutex::new(HashMap::new()),
         metrics,
         read_log: Mutex::new(std::collections::VecDeque::new()),
+        prefill_log: Mutex::new(std::collections::VecDeque::new()),
+        parked: Mutex::new(Vec::new()),
+        prefill_slots: (cfg.prefill_concurrency > 0)
+            .then(|| tokio::sync::Semaphore::new(cfg.prefill_concurrency)),
         agent,
         agent_lost: std::sync::atomic::AtomicBool::new(false),
         agent_reports_failed: AtomicU64::new(0),
@@ -290,6 +294,7 @@ fn http_routes(engine: &Arc<Engine>) -> Router {
         .route("/health", get(health))
         .route("/sim/stats", get(stats))
         .route("/sim/reads", get(reads))
+        .route("/sim/prefills", get(crate::http::prefills))
         .route("/metrics", get(metrics_text));
     if !engine.cfg.no_tokenize {
         app = app.route("/tokenize", post(tokenize));

@@ -45,6 +45,34 @@ pub struct ReadLogEntry {
     pub error: Option<String>,
 }
 
+/// One prefill this engine computed (`GET /sim/prefills`, newest last, at
+/// most [`READ_LOG_CAPACITY`] kept). Times are Unix ms (wall clock), so a
+/// client on the same machine can line them up with its own.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PrefillLogEntry {
+    /// The caller's `x-request-id` (the router's request id), else this
+    /// engine's request id.
+    pub request_id: String,
+    /// This engine's request id (the `request_id` of its `/sim/reads` entries).
+    pub engine_request_id: String,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Tokens read from D instead of computed.
+    pub reused_tokens: u64,
+    /// When the request arrived, Unix ms.
+    pub arrived_unix_ms: f64,
+    /// When its compute began (after the READ and the wait for a prefill
+    /// slot), Unix ms.
+    pub compute_start_unix_ms: f64,
+    /// When its compute ended, Unix ms.
+    pub compute_end_unix_ms: f64,
+    /// READ of D's blocks (claim + transfer + verification start), ms; 0
+    /// without params.
+    pub read_ms: f64,
+    /// Waiting for a prefill slot (`--prefill-concurrency`), ms.
+    pub queue_ms: f64,
+}
+
 /// Entries kept in the READ log.
 pub const READ_LOG_CAPACITY: usize = 8192;
 
@@ -78,6 +106,13 @@ pub struct StatsSnapshot {
     pub kv_mode: Option<KvMode>,
     /// Requests currently holding blocks.
     pub holds: u64,
+    /// The prefill cost profile in use, if any (what a demo's oracle
+    /// computes counterfactual prefills with).
+    #[serde(default)]
+    pub profile: Option<crate::profile::CostProfile>,
+    /// `--time-scale`.
+    #[serde(default)]
+    pub time_scale: Option<f64>,
     /// Last `X-KVLoop-Tokens` header seen, if any.
     pub last_tokens_header: Option<String>,
     /// `kv_transfer_params` of the last generation request, if any.

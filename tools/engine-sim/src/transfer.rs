@@ -70,9 +70,23 @@ pub enum TransferError {
     /// Side channel unreachable or broken.
     #[error("side channel: {0}")]
     SideChannel(String),
-    /// The READ itself failed (connect, bounds, timeout, backend).
+    /// The READ itself failed (connect, bounds, backend) before or without
+    /// writing the destination blocks.
     #[error("READ failed: {0}")]
     Transfer(String),
+    /// The READ was abandoned while posted (it timed out, or the agent
+    /// connection broke mid-READ): the provider may still write the
+    /// destination blocks, so they must be neither computed into nor served
+    /// ([`crate::Engine`] parks them, see `Engine::park_blocks`).
+    #[error("READ abandoned: {0}")]
+    Abandoned(String),
+}
+
+impl TransferError {
+    /// The destination blocks may still be written.
+    pub fn may_still_write(&self) -> bool {
+        matches!(self, TransferError::Abandoned(_))
+    }
 }
 
 /// Boxed future returned by [`KvTransfer::read`].
