@@ -15,10 +15,11 @@ export UCX_MODULES := ^ib*
 export LD_LIBRARY_PATH := $(NIXL_LIBS):$(LD_LIBRARY_PATH)
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: help bootstrap build test demo demo-slow-link bench lint fmt
+.PHONY: help bootstrap build test demo demo-slow-link demo-cluster bench lint fmt
 
 help:
 	@echo "make demo   - run the main job (installs what it needs first)"
+	@echo "make demo-cluster - the emulated xPyD cluster: three policies side by side"
 	@echo "make test   - run every test (installs what it needs first)"
 	@echo "make bench  - run the benchmarks (tables on stdout)"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
@@ -48,6 +49,11 @@ demo: build
 # The same loop with the D→P link slowed (tc tbf) mid-run.
 demo-slow-link: build
 	target/release/kvloop demo slow-link
+
+# The emulated xPyD cluster: 2 P + 3 D, two router replicas on Redis, one
+# slow path; rr + fixed 64 / rr + adaptive / kvloop's selection side by side.
+demo-cluster: build
+	target/release/kvloop demo cluster
 
 bench: build
 	target/release/kvloop bench read --nixl UCX

@@ -1,6 +1,6 @@
 //! kvloop's test support, in one crate: child processes that announce
 //! readiness ([`ReadyChild`], [`NodeChild`]), two "nodes" in network
-//! namespaces ([`NodePair`]), free ports, the lookup of the workspace's
+//! namespaces ([`NodePair`]), several on one bridge ([`NodeStar`]), free ports, the lookup of the workspace's
 //! binaries, and the policy for tests with a real dependency ([`deps`]).
 //!
 //! Policy (ARCHITECTURE.md, issue 11): a test that needs root, a tool or a
@@ -15,6 +15,7 @@
 pub mod child;
 pub mod deps;
 pub mod netns;
+pub mod netns_star;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -25,6 +26,7 @@ pub use deps::{
     have_root, in_ci, is_root, nixl_env, nixl_libs, require_gpu, require_root, require_tool,
 };
 pub use netns::NodePair;
+pub use netns_star::{NodeStar, StarNode};
 
 /// Path of a workspace binary next to the running test (`target/<profile>/<name>`).
 ///

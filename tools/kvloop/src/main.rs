@@ -59,6 +59,10 @@ enum DemoCmd {
     SlowLink(demo::DemoArgs),
     /// D→P and P→D READs between two local nodes, verified.
     Dataplane(demo_dataplane::DemoDataplaneArgs),
+    /// An emulated xPyD cluster (2 P, 3 D, two router replicas on Redis,
+    /// one slow path): round robin + fixed 64, round robin + adaptive and
+    /// kvloop's selection side by side.
+    Cluster(Box<demo::xpyd::ClusterArgs>),
 }
 
 #[derive(Subcommand)]
@@ -98,6 +102,9 @@ fn main() -> anyhow::Result<()> {
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {
                 Some(DemoCmd::Dataplane(a)) => {
                     tokio::task::spawn_blocking(move || demo_dataplane::run(a)).await?
+                }
+                Some(DemoCmd::Cluster(a)) => {
+                    tokio::task::spawn_blocking(move || demo::xpyd::run(*a)).await?
                 }
                 Some(DemoCmd::SlowLink(a)) => {
                     tokio::task::spawn_blocking(move || demo::run(a, true)).await?

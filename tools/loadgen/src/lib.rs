@@ -45,6 +45,7 @@
 //! ```
 #![forbid(unsafe_code)]
 pub mod agentic;
+pub mod bars;
 pub mod chart;
 pub mod client;
 pub mod dist;

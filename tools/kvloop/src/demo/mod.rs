@@ -38,6 +38,7 @@ mod cluster;
 mod report;
 mod topology;
 mod workload;
+pub mod xpyd;
 
 use topology::Topology;
 

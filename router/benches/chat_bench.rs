@@ -1,0 +1,437 @@
+//! The routing path at 400 req/s (issue 13 item 4): multi-turn chat
+//! conversations (bodies 4–8 kB, 16-token streams, `conversation_id`), open
+//! loop, sent directly (the client does P then D itself) and through a
+//! `kvloop-router` process with the in-memory store and with Redis (prefix
+//! check by tokens, and by history), side by side in one run. Engines are
+//! in-process `kvloop-engine-sim`s with zero simulated cost, so the
+//! differences are the router's. Loopback only; bounded in count and time.
+//!
+//! Prints: achieved rate, TTFT p50/p99 (scheduled send → first content
+//! chunk, so no coordinated omission), what the router adds over direct,
+//! and the router process's CPU per request (`/proc/<pid>/stat` utime +
+//! stime over the run). Redis rows need `redis-server` (Debian package):
+//! started on a free loopback port in a temporary directory, without
+//! persistence, and stopped by PID.
+//!
+//! `cargo bench -p kvloop-router --bench chat_bench` (`KVLOOP_BENCH_QUICK=1`:
+//! 4 s per row instead of 15; `KVLOOP_BENCH_RATE`: requests/s, default 400).
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvloop_engine_sim::{Role as SimRole, SimConfig};
+use kvloop_router::params::no_reuse_prefill_params;
+use kvloop_tests::ReadyChild;
+use serde_json::{Value, json};
+
+const CONVERSATIONS: usize = 96;
+const ANSWER_TOKENS: u64 = 16;
+
+fn quick() -> bool {
+    std::env::var("KVLOOP_BENCH_QUICK").is_ok_and(|v| v == "1")
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[(((v.len() - 1) as f64) * p).round() as usize]
+}
+
+/// One conversation: its id and messages; restarted (new id) before a
+/// body would pass 8 kB.
+struct Conv {
+    id: String,
+    generation: u32,
+    n: usize,
+    messages: Vec<Value>,
+}
+
+fn text(bytes: usize, tag: &str) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    let mut i = 0;
+    while s.len() < bytes {
+        s.push_str(&format!("{tag}{i} "));
+        i += 1;
+    }
+    s
+}
+
+impl Conv {
+    fn new(n: usize) -> Self {
+        let mut c = Conv {
+            id: String::new(),
+            generation: 0,
+            n,
+            messages: Vec::new(),
+        };
+        c.restart();
+        c
+    }
+    fn restart(&mut self) {
+        self.generation += 1;
+        self.id = format!("bench-{}-{}", self.n, self.generation);
+        self.messages = vec![
+            json!({"role": "user", "content": text(4000, &format!("c{}g{}w", self.n, self.generation))}),
+        ];
+    }
+    fn body_len(&self) -> usize {
+        self.messages
+            .iter()
+            .map(|m| m["content"].as_str().map_or(0, str::len) + 32)
+            .sum()
+    }
+    fn next_turn(&mut self, answer: String) {
+        self.messages
+            .push(json!({"role": "assistant", "content": answer}));
+        let k = self.messages.len();
+        self.messages
+            .push(json!({"role": "user", "content": text(600, &format!("c{}t{k}u", self.n))}));
+        if self.body_len() > 7600 {
+            self.restart();
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    Direct,
+    Router,
+}
+
+struct Sample {
+    ttft_us: f64,
+}
+
+/// Streams one chat request; returns (ttft µs from `at`, answer).
+async fn stream(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    at: Instant,
+) -> Option<(f64, String)> {
+    let mut r = http.post(url).json(body).send().await.ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    let mut ttft = None;
+    let mut buf = Vec::new();
+    while let Some(c) = r.chunk().await.ok()? {
+        if ttft.is_none() && c.windows(9).any(|w| w == b"\"content\"") {
+            ttft = Some(at.elapsed().as_secs_f64() * 1e6);
+        }
+        buf.extend_from_slice(&c);
+    }
+    let answer: String = String::from_utf8_lossy(&buf)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    Some((ttft?, answer))
+}
+
+/// One turn of `c` by `path`.
+async fn turn(
+    http: &reqwest::Client,
+    path: Path,
+    base: &str,
+    p: &str,
+    d: &str,
+    c: &Conv,
+    at: Instant,
+) -> Option<(f64, String)> {
+    let body = json!({"model": "sim-model", "messages": c.messages, "stream": true,
+                      "max_tokens": ANSWER_TOKENS, "conversation_id": c.id});
+    match path {
+        Path::Router => stream(http, &format!("{base}/v1/chat/completions"), &body, at).await,
+        Path::Direct => {
+            // What the router does, done by the client: P with no-reuse
+            // params (max_tokens 1), then D streaming with P's params.
+            let mut pb = body.clone();
+            pb["max_tokens"] = json!(1);
+            pb["stream"] = json!(false);
+            pb["kv_transfer_params"] = no_reuse_prefill_params();
+            let v: Value = http
+                .post(format!("{p}/v1/chat/completions"))
+                .json(&pb)
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            let mut db = body;
+            db["kv_transfer_params"] = v["kv_transfer_params"].clone();
+            stream(http, &format!("{d}/v1/chat/completions"), &db, at).await
+        }
+    }
+}
+
+/// Open loop at `rate` for `secs`: every tick an idle conversation sends
+/// its next turn. Returns (samples, errors, ticks with no idle conversation).
+async fn open_loop(
+    path: Path,
+    base: String,
+    p: String,
+    d: String,
+    rate: f64,
+    secs: f64,
+) -> (Vec<Sample>, u64, u64) {
+    let http = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .build()
+        .unwrap();
+    let idle: Arc<Mutex<VecDeque<Conv>>> =
+        Arc::new(Mutex::new((0..CONVERSATIONS).map(Conv::new).collect()));
+    let n = (rate * secs) as u64;
+    let start = Instant::now() + Duration::from_millis(5);
+    let mut handles = Vec::new();
+    let mut starved = 0;
+    for i in 0..n {
+        let at = start + Duration::from_secs_f64(i as f64 / rate);
+        tokio::time::sleep_until(at.into()).await;
+        let Some(mut c) = idle.lock().unwrap().pop_front() else {
+            starved += 1;
+            continue;
+        };
+        let (http, base, p, d, idle) = (
+            http.clone(),
+            base.clone(),
+            p.clone(),
+            d.clone(),
+            idle.clone(),
+        );
+        handles.push(tokio::spawn(async move {
+            let r = turn(&http, path, &base, &p, &d, &c, at).await;
+            let out = r.as_ref().map(|x| x.0);
+            match r {
+                Some((_, answer)) => c.next_turn(answer),
+                None => c.restart(),
+            }
+            idle.lock().unwrap().push_back(c);
+            out
+        }));
+    }
+    let mut samples = Vec::new();
+    let mut errors = 0;
+    for h in handles {
+        match h.await.unwrap() {
+            Some(t) => samples.push(Sample { ttft_us: t }),
+            None => errors += 1,
+        }
+    }
+    (samples, errors, starved)
+}
+
+/// utime + stime of `pid`, seconds.
+fn cpu_s(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = s.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // After the `)`: state (not a number, skipped) then ppid...; utime and
+    // stime are fields 14 and 15 of the line, i.e. 11th and 12th numbers here.
+    let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks as f64 / hz
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `redis-server` on loopback without persistence (killed on drop).
+struct Redis(std::process::Child, PathBuf);
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let _ = std::fs::remove_dir_all(&self.1);
+    }
+}
+
+fn start_redis() -> Option<(Redis, u16)> {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("kvloop-chat-bench-redis-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let r = Redis(child, dir);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some((r, port))
+}
+
+fn main() {
+    let rate: f64 = std::env::var("KVLOOP_BENCH_RATE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400.0);
+    let secs = if quick() { 4.0 } else { 15.0 };
+    // Engines on their own runtime (1 thread), the client on another.
+    let engines_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sim = |role, id: &str| SimConfig {
+        role,
+        engine_id: id.into(),
+        prefill_us_per_token: 0,
+        transfer_us_per_token: 0,
+        decode_us_per_token: 0,
+        ..SimConfig::default()
+    };
+    let (p, d) = engines_rt.block_on(async {
+        (
+            kvloop_engine_sim::spawn(sim(SimRole::Prefill, "p0"))
+                .await
+                .unwrap(),
+            kvloop_engine_sim::spawn(sim(SimRole::Decode, "d0"))
+                .await
+                .unwrap(),
+        )
+    });
+    let redis = start_redis();
+    if redis.is_none() {
+        println!("(redis-server not found or not starting: the Redis rows are not run)");
+    }
+    let router_toml = |store: &str, check: &str| {
+        format!(
+            "listen = \"127.0.0.1:0\"\nprefix_check = \"{check}\"\nstore = \"{store}\"\nhealth_interval_ms = 1000\n\
+             [[engines]]\nengine_id = \"p0\"\nrole = \"prefill\"\nhttp_url = \"{}\"\nside_channel_host = \"127.0.0.1\"\nside_channel_port = {}\n\
+             [[engines]]\nengine_id = \"d0\"\nrole = \"decode\"\nhttp_url = \"{}\"\nside_channel_host = \"127.0.0.1\"\nside_channel_port = {}\n",
+            p.url(),
+            p.side_channel_addr.port(),
+            d.url(),
+            d.side_channel_addr.port()
+        )
+    };
+    let mut rows: Vec<(&str, String, &str)> = vec![
+        ("direct", "-".into(), "-"),
+        ("router", "memory".into(), "tokens"),
+    ];
+    if let Some((_, port)) = &redis {
+        rows.push(("router", format!("redis://127.0.0.1:{port}/0"), "tokens"));
+        rows.push(("router", format!("redis://127.0.0.1:{port}/0"), "history"));
+    }
+    println!(
+        "\n## Routing path at {rate:.0} req/s: {CONVERSATIONS} multi-turn chat conversations (bodies 4–8 kB, {ANSWER_TOKENS}-token streams), {secs:.0} s per row"
+    );
+    println!(
+        "engine-sim with zero simulated cost (in process); router as its own process; TTFT from the scheduled send"
+    );
+    println!(
+        "| path | store | prefix check | requests | req/s | TTFT p50 µs | TTFT p99 µs | added p50 µs | added p99 µs | router CPU µs/req | errors | starved ticks |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut base: Option<(f64, f64)> = None;
+    let tmp = std::env::temp_dir().join(format!("kvloop-chat-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for (path, store, check) in &rows {
+        let (url, child) = if *path == "router" {
+            let cfg = tmp.join(format!("router-{check}-{}.toml", store.len()));
+            std::fs::write(&cfg, router_toml(store, check)).unwrap();
+            let mut c = Command::new(env!("CARGO_BIN_EXE_kvloop-router"));
+            c.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
+            let child = ReadyChild::start("router", c, None, Duration::from_secs(20))
+                .expect("router starts");
+            (
+                format!("http://{}", child.get("http").unwrap()),
+                Some(child),
+            )
+        } else {
+            (String::new(), None)
+        };
+        // Warm up (connections, allocations), then measure.
+        let (pu, du) = (p.url(), d.url());
+        let kind = if *path == "router" {
+            Path::Router
+        } else {
+            Path::Direct
+        };
+        client_rt.block_on(open_loop(
+            kind,
+            url.clone(),
+            pu.clone(),
+            du.clone(),
+            rate,
+            1.0,
+        ));
+        let cpu0 = child.as_ref().map_or(0.0, |c| cpu_s(c.pid()));
+        let t0 = Instant::now();
+        let (mut samples, errors, starved) =
+            client_rt.block_on(open_loop(kind, url, pu, du, rate, secs));
+        let wall = t0.elapsed().as_secs_f64();
+        let cpu = child.as_ref().map_or(f64::NAN, |c| cpu_s(c.pid()) - cpu0);
+        let n = samples.len();
+        let mut t: Vec<f64> = samples.drain(..).map(|s| s.ttft_us).collect();
+        let (p50, p99) = (pct(&mut t, 0.5), pct(&mut t, 0.99));
+        let (a50, a99) = match base {
+            Some((b50, b99)) => (format!("{:.0}", p50 - b50), format!("{:.0}", p99 - b99)),
+            None => {
+                base = Some((p50, p99));
+                ("-".into(), "-".into())
+            }
+        };
+        let cpu_us = if cpu.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{:.0}", cpu * 1e6 / (n.max(1) as f64))
+        };
+        let store_label = if store.starts_with("redis") {
+            "redis"
+        } else {
+            store.as_str()
+        };
+        println!(
+            "| {path} | {store_label} | {check} | {n} | {:.0} | {p50:.0} | {p99:.0} | {a50} | {a99} | {cpu_us} | {errors} | {starved} |",
+            n as f64 / wall
+        );
+        drop(child);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    drop(redis);
+    drop((p, d));
+    engines_rt.shutdown_timeout(Duration::from_secs(1));
+}
