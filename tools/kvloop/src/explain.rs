@@ -2,6 +2,11 @@
 //! its HTTP address) why pair (P, D) has its recompute threshold: the
 //! threshold, the fitted transfer and prefill models, the samples behind
 //! them and the history of changes with their reasons.
+//!
+//! `kvloop explain --router HOST:PORT [--request-id ID] [--last N]`: asks a
+//! router (`GET /admin/routes`, with its admin token) why its last turns
+//! went where they went: policy, reason, P, D, pull or recompute, and the
+//! predicted times of the chosen and the runner-up option.
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
@@ -11,9 +16,26 @@ use anyhow::{Context, Result, bail};
 /// Arguments of `kvloop explain`.
 #[derive(clap::Args, Debug)]
 pub struct ExplainArgs {
-    /// The pair: `<prefill engine id>,<decode engine id>`.
+    /// The pair: `<prefill engine id>,<decode engine id>` (asks the agent).
+    #[arg(long, required_unless_present = "router")]
+    pub pair: Option<String>,
+    /// A router's address (`host:port`): explain its last routed turns instead.
+    #[arg(long, conflicts_with = "pair")]
+    pub router: Option<String>,
+    /// With `--router`: its admin token.
+    #[arg(
+        long,
+        env = "KVLOOP_ROUTER_ADMIN_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub token: String,
+    /// With `--router`: only this request id.
     #[arg(long)]
-    pub pair: String,
+    pub request_id: Option<String>,
+    /// With `--router`: how many of the last turns.
+    #[arg(long, default_value_t = 20)]
+    pub last: usize,
     /// The agent's HTTP address (its `http_listen`), on the prefill engine's node.
     #[arg(long, env = "KVLOOP_AGENT_HTTP", default_value = "127.0.0.1:9470")]
     pub agent: String,
@@ -37,6 +59,11 @@ fn encode(s: &str) -> String {
 /// A plain HTTP/1.1 GET (the agent answers with a `Content-Length` body);
 /// returns (status, body).
 fn get(addr: &str, path: &str) -> Result<(u16, String)> {
+    get_auth(addr, path, None)
+}
+
+/// [`get`] with a bearer token.
+fn get_auth(addr: &str, path: &str, token: Option<&str>) -> Result<(u16, String)> {
     let host = addr.trim_start_matches("http://").trim_end_matches('/');
     let sa = host
         .to_socket_addrs()
@@ -46,9 +73,10 @@ fn get(addr: &str, path: &str) -> Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(3))
         .with_context(|| format!("connecting to the agent at {sa}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n\r\n"
     )?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)
@@ -70,13 +98,14 @@ fn get(addr: &str, path: &str) -> Result<(u16, String)> {
 /// # Errors
 /// The agent is unreachable, or refuses the pair (the message says why).
 pub fn run(a: ExplainArgs) -> Result<()> {
-    if a.pair.split(',').filter(|s| !s.trim().is_empty()).count() != 2 {
-        bail!(
-            "--pair `{}`: expected `<prefill engine id>,<decode engine id>`",
-            a.pair
-        );
+    if let Some(r) = &a.router {
+        return routes(&a, r);
     }
-    let (status, body) = get(&a.agent, &format!("/v1/explain?pair={}", encode(&a.pair)))?;
+    let pair = a.pair.clone().unwrap_or_default();
+    if pair.split(',').filter(|s| !s.trim().is_empty()).count() != 2 {
+        bail!("--pair `{pair}`: expected `<prefill engine id>,<decode engine id>`");
+    }
+    let (status, body) = get(&a.agent, &format!("/v1/explain?pair={}", encode(&pair)))?;
     let v: serde_json::Value = serde_json::from_str(&body)
         .with_context(|| format!("agent answered HTTP {status} with a non-JSON body: {body}"))?;
     if status != 200 {
@@ -93,8 +122,93 @@ pub fn run(a: ExplainArgs) -> Result<()> {
     Ok(())
 }
 
+/// One line per routed turn (`--router`).
+fn route_line(r: &serde_json::Value) -> String {
+    let s = |k: &str| r[k].as_str().unwrap_or("-").to_string();
+    let mut line = format!(
+        "{} {}: {} → prefill {} decode {} {} (reused {} of {} reusable, previous decode {}; decision {})",
+        s("request_id"),
+        s("policy"),
+        s("reason"),
+        s("prefill_engine_id"),
+        s("decode_engine_id"),
+        s("action"),
+        r["reused_tokens"],
+        r["reusable_tokens"],
+        s("previous_decode_engine_id"),
+        s("decision")
+    );
+    for (label, o) in [("chosen", &r["chosen"]), ("runner-up", &r["runner_up"])] {
+        if o.is_object() {
+            line.push_str(&format!(
+                "\n    {label}: {} {} predicted TTFT {:.1} ms = queue {:.1} + reuse {:.1} + suffix {:.1}",
+                o["prefill_engine_id"].as_str().unwrap_or("-"),
+                o["action"].as_str().unwrap_or("-"),
+                o["ttft_ms"].as_f64().unwrap_or(f64::NAN),
+                o["queue_ms"].as_f64().unwrap_or(f64::NAN),
+                o["reuse_ms"].as_f64().unwrap_or(f64::NAN),
+                o["suffix_ms"].as_f64().unwrap_or(f64::NAN)
+            ));
+        }
+    }
+    line
+}
+
+fn routes(a: &ExplainArgs, router: &str) -> Result<()> {
+    let mut path = format!("/admin/routes?n={}", a.last);
+    if let Some(id) = &a.request_id {
+        path.push_str(&format!("&request_id={}", encode(id)));
+    }
+    let (status, body) = get_auth(router, &path, Some(&a.token))?;
+    if status == 401 {
+        bail!(
+            "router refused the token (401): pass --token or KVLOOP_ROUTER_ADMIN_TOKEN (its admin_token)"
+        );
+    }
+    let v: serde_json::Value = serde_json::from_str(&body)
+        .with_context(|| format!("router answered HTTP {status} with a non-JSON body: {body}"))?;
+    if status != 200 {
+        bail!("router: HTTP {status}: {body}");
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let list = v["routes"].as_array().cloned().unwrap_or_default();
+    if list.is_empty() {
+        println!(
+            "no routed turns{}",
+            a.request_id
+                .as_ref()
+                .map_or(String::new(), |id| format!(" for request {id}"))
+        );
+    }
+    for r in &list {
+        println!("{}", route_line(r));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_route_reads_as_one_line_and_its_options() {
+        let r = serde_json::json!({"request_id": "r1", "policy": "predicted_ttft", "reason": "predicted_pull",
+            "decision": "pulled", "prefill_engine_id": "p0", "decode_engine_id": "d1", "action": "pull",
+            "reused_tokens": 4096, "reusable_tokens": 4096, "previous_decode_engine_id": "d2",
+            "chosen": {"prefill_engine_id": "p0", "action": "pull", "ttft_ms": 12.0, "queue_ms": 1.0, "reuse_ms": 2.0, "suffix_ms": 9.0},
+            "runner_up": null});
+        let l = super::route_line(&r);
+        assert!(l.starts_with("r1 predicted_ttft: predicted_pull → prefill p0 decode d1 pull (reused 4096 of 4096 reusable, previous decode d2; decision pulled)"), "{l}");
+        assert!(
+            l.contains(
+                "chosen: p0 pull predicted TTFT 12.0 ms = queue 1.0 + reuse 2.0 + suffix 9.0"
+            ),
+            "{l}"
+        );
+        assert!(!l.contains("runner-up"), "{l}");
+    }
+
     #[test]
     fn encodes_query_values() {
         assert_eq!(super::encode("p0,d 0/x"), "p0,d%200%2Fx");

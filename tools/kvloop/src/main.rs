@@ -30,7 +30,7 @@ enum Cmd {
     Bench(BenchCmd),
     /// Demos (real local runs); without a subcommand: `loop`.
     Demo(DemoCli),
-    /// Why a (P, D) pair has its recompute threshold (asks the P node's agent).
+    /// Why a (P, D) pair has its recompute threshold (asks the P node's agent), or (`--router`) why a router sent its last turns where it did.
     Explain(explain::ExplainArgs),
     /// Stream READ and prefill events live from the eBPF probes.
     Trace(trace::TraceArgs),
