@@ -143,7 +143,7 @@ pub struct RouterConfig {
     pub policy: Policy,
     /// Answer every routed request with an `x-kvloop-route` header: why P
     /// and D were chosen, pull or recompute, the predicted times of the
-    /// chosen and the runner-up option ([`crate::explain::RouteRecord::line`]).
+    /// chosen and the runner-up option (`router/src/explain.rs`).
     /// Names engines to clients: for debugging and demos [false].
     pub route_header: bool,
     /// Period of polling the prefill engines' `/metrics` for their queue
