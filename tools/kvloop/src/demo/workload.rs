@@ -270,7 +270,8 @@ impl ModeCtx<'_> {
     }
 }
 
-async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
+/// `GET url` as JSON (2xx only).
+pub(super) async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
     let r = http
         .get(url)
         .send()
@@ -282,7 +283,7 @@ async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
     r.json().await.with_context(|| format!("GET {url}: JSON"))
 }
 /// Waits up to 20 s for the router's `/health` to answer 2xx.
-async fn wait_healthy(http: &reqwest::Client, url: &str) -> Result<()> {
+pub(super) async fn wait_healthy(http: &reqwest::Client, url: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if http

@@ -314,18 +314,6 @@ async fn collect_stats(http: &reqwest::Client, c: &Cluster) -> Vec<(String, Valu
     v
 }
 
-async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
-    let r = http
-        .get(url)
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await
-        .with_context(|| format!("GET {url}"))?;
-    if !r.status().is_success() {
-        bail!("GET {url}: {}", r.status());
-    }
-    r.json().await.with_context(|| format!("GET {url}: JSON"))
-}
-
 mod run;
+use super::workload::get_json;
 use run::RunCtx;

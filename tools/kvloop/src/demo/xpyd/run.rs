@@ -12,6 +12,7 @@ use kvloop_loadgen::Conversation;
 use kvloop_tests::netns_star::NodeStar;
 use serde_json::Value;
 
+use super::super::workload::wait_healthy;
 use super::drive::Drive;
 use super::procs::{Bins, Cluster, PolicySpec};
 use super::{ADMIN_TOKEN, ClusterArgs, Event, PolicyRun, get_json};
@@ -246,24 +247,6 @@ fn new_entries(before: &Value, after: &Value) -> Vec<Value> {
         .as_array()
         .map(|a| a.iter().skip(n).cloned().collect())
         .unwrap_or_default()
-}
-
-async fn wait_healthy(http: &reqwest::Client, url: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if http
-            .get(format!("{url}/health"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("router at {url} not healthy within 20 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Waits (up to 30 s) until `want` pushed pair thresholds are in force at
