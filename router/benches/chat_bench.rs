@@ -9,14 +9,13 @@
 //! Prints: achieved rate, TTFT p50/p99 (scheduled send → first content
 //! chunk, so no coordinated omission), what the router adds over direct,
 //! and the router process's CPU per request (`/proc/<pid>/stat` utime +
-//! stime over the run). Redis rows need `redis-server` (Debian package):
-//! started on a free loopback port in a temporary directory, without
-//! persistence, and stopped by PID.
+//! stime over the run). Redis rows need `redis-server` (Debian package;
+//! `kvloop_tests::RedisServer`: loopback, temporary directory, no
+//! persistence, stopped by PID).
 //!
 //! `cargo bench -p kvloop-router --bench chat_bench` (`KVLOOP_BENCH_QUICK=1`:
 //! 4 s per row instead of 15; `KVLOOP_BENCH_RATE`: requests/s, default 400).
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -247,56 +246,6 @@ fn cpu_s(pid: u32) -> f64 {
     ticks as f64 / hz
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `redis-server` on loopback without persistence (killed on drop).
-struct Redis(std::process::Child, PathBuf);
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
-
-fn start_redis() -> Option<(Redis, u16)> {
-    let port = free_port();
-    let dir = std::env::temp_dir().join(format!("kvloop-chat-bench-redis-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).ok()?;
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(&dir)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .ok()?;
-    let r = Redis(child, dir);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Some((r, port))
-}
-
 fn main() {
     let rate: f64 = std::env::var("KVLOOP_BENCH_RATE")
         .ok()
@@ -332,7 +281,7 @@ fn main() {
                 .unwrap(),
         )
     });
-    let redis = start_redis();
+    let redis = kvloop_tests::RedisServer::start().ok();
     if redis.is_none() {
         println!("(redis-server not found or not starting: the Redis rows are not run)");
     }
@@ -351,7 +300,7 @@ fn main() {
         ("direct", "-".into(), "-"),
         ("router", "memory".into(), "tokens"),
     ];
-    if let Some((_, port)) = &redis {
+    if let Some(port) = redis.as_ref().map(kvloop_tests::RedisServer::port) {
         rows.push(("router", format!("redis://127.0.0.1:{port}/0"), "tokens"));
         rows.push(("router", format!("redis://127.0.0.1:{port}/0"), "history"));
     }

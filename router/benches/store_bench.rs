@@ -8,8 +8,6 @@
 //! `cargo bench -p kvloop-router --bench store_bench` (env
 //! `KVLOOP_BENCH_QUICK=1` for a short run). Needs `redis-server` (fails
 //! without it).
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,43 +17,6 @@ use kvloop_router::metrics::Metrics;
 use kvloop_router::params::KvParams;
 use kvloop_router::store::{ConvKey, ConversationStore, Lookup, Store, StoredTurn};
 use serde_json::json;
-
-struct Redis(Child, PathBuf);
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
-
-fn start_redis() -> (Redis, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let dir = std::env::temp_dir().join(format!("kvloop-cl-bench-redis-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .arg("--dir")
-        .arg(&dir)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server (Debian package redis-server) must be installed");
-    let t0 = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "redis-server did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (Redis(child, dir), port)
-}
 
 /// Process CPU time (user + system), from /proc/self/stat, seconds.
 fn cpu_s() -> f64 {
@@ -136,7 +97,9 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let (_redis, port) = start_redis();
+    let redis = kvloop_tests::RedisServer::start()
+        .expect("redis-server (Debian package redis-server) must be installed");
+    let port = redis.port();
     rt.block_on(async {
         let ids = vec!["p0".to_string(), "d0".to_string()];
         let mem = Arc::new(

@@ -47,24 +47,10 @@ impl AppState {
     /// Polls every prefill engine's queue once.
     pub async fn poll_load(&self) {
         for &i in &self.prefill_idx {
-            let Some(e) = self.registry.get(i) else {
-                continue;
-            };
-            let got = async {
-                let r = self
-                    .upstream
-                    .http
-                    .get(format!("{}/metrics", e.http_url))
-                    .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
-                    .send()
-                    .await
-                    .ok()?;
-                if !r.status().is_success() {
-                    return None;
-                }
-                queue_requests(&r.text().await.ok()?)
-            }
-            .await;
+            let got = self
+                .engine_get(i, "/metrics")
+                .await
+                .and_then(|b| queue_requests(std::str::from_utf8(&b).ok()?));
             self.load.set_reported_requests(i, got);
         }
     }

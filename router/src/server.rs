@@ -158,7 +158,9 @@ async fn route_inner(
     // The P whose `/tokenize` counted the prompt (also counts the reply).
     let tokenize_idx = p_idx;
     let mut p_idx = p_idx;
-    let (decision, record) = {
+    // `compute_ms`: the chosen option's predicted compute on P (a pull's
+    // READ happens before P schedules the request and does not hold P).
+    let (decision, record, compute_ms) = {
         let th = s.thresholds.lock();
         let info = PromptInfo {
             tokens: tokens.as_deref(),
@@ -191,6 +193,10 @@ async fn route_inner(
             )
             .map_err(|e| RouteError::Unavailable(e.role))?;
             (p_idx, d_idx) = (pl.selection.prefill, pl.selection.decode);
+            let compute_ms = pl
+                .selection
+                .chosen
+                .map(|c| c.suffix_ms + if c.pull { 0.0 } else { c.reuse_ms });
             let record = RouteRecord::from_selection(
                 &Routed {
                     previous_decode: pl.decision.decode_engine_id.as_deref(),
@@ -199,7 +205,7 @@ async fn route_inner(
                 &pl.selection,
                 |i| s.engine_id(i),
             );
-            (pl.decision, record)
+            (pl.decision, record, compute_ms)
         } else {
             let d = decide(lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now);
             let record = RouteRecord::round_robin(
@@ -211,16 +217,10 @@ async fn route_inner(
                 &s.engine_id(d_idx),
                 d.attach.is_some(),
             );
-            (d, record)
+            (d, record, None)
         }
     };
     let route_line = record.line();
-    // The chosen option's predicted compute on P (a pull's READ happens
-    // before P schedules the request and does not hold P).
-    let compute_ms = record
-        .chosen
-        .as_ref()
-        .map(|c| c.suffix_ms + if c.action == "pull" { 0.0 } else { c.reuse_ms });
     debug!(%request_id, route = %route_line, "route");
     s.record_route(record);
     let decode_load = s.load.begin_decode(d_idx);

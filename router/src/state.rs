@@ -324,13 +324,14 @@ impl AppState {
         tokens
     }
 
-    /// `GET /v1/models` of engine `i`, when it answers 2xx.
-    pub(crate) async fn fetch_models(&self, i: u16) -> Option<Bytes> {
+    /// `GET <path>` of engine `i` within `health_timeout_ms`: the body,
+    /// when it answers 2xx.
+    pub(crate) async fn engine_get(&self, i: u16, path: &str) -> Option<Bytes> {
         let e = self.registry.get(i)?;
         let r = self
             .upstream
             .http
-            .get(format!("{}/v1/models", e.http_url))
+            .get(format!("{}{path}", e.http_url))
             .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
             .send()
             .await
@@ -339,6 +340,11 @@ impl AppState {
             return None;
         }
         r.bytes().await.ok()
+    }
+
+    /// `GET /v1/models` of engine `i`, when it answers 2xx.
+    pub(crate) async fn fetch_models(&self, i: u16) -> Option<Bytes> {
+        self.engine_get(i, "/v1/models").await
     }
 
     /// The `version` of the first healthy engine that serves `/version`.

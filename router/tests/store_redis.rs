@@ -5,11 +5,8 @@
 mod common;
 
 use std::cell::RefCell;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -20,111 +17,22 @@ use kvloop_router::params::KvParams;
 use kvloop_router::store::{ConvKey, ConversationStore, Lookup, Store, StoredTurn};
 use serde_json::{Value, json};
 
-/// A `redis-server` of this test: loopback, free port, temp dir, no persistence.
-struct Redis {
-    child: Option<Child>,
-    port: u16,
-    dir: PathBuf,
-}
-
-fn redis_bin() -> PathBuf {
-    for d in std::env::var("PATH").unwrap_or_default().split(':') {
-        let p = PathBuf::from(d).join("redis-server");
-        if p.is_file() {
-            return p;
-        }
-    }
-    for p in ["/usr/bin/redis-server", "/usr/sbin/redis-server"] {
-        if std::path::Path::new(p).is_file() {
-            return p.into();
-        }
-    }
-    panic!(
-        "redis-server not found: install the Debian package redis-server (scripts/bootstrap.sh)"
-    );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-static SEQ: AtomicUsize = AtomicUsize::new(0);
+/// A `redis-server` of this test: loopback, free port, temp dir, no
+/// persistence (`kvloop_tests::RedisServer`); a missing one FAILS the test.
+struct Redis(kvloop_tests::RedisServer);
 
 impl Redis {
     fn start() -> Redis {
-        let dir = std::env::temp_dir().join(format!(
-            "kvloop-cl-redis-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut r = Redis {
-            child: None,
-            port: free_port(),
-            dir,
-        };
-        r.restart();
-        r
+        Redis(kvloop_tests::RedisServer::start().expect("redis-server starts"))
     }
-
     fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        self.0.url()
     }
-
-    /// (Re)start on the same port; waits until it answers PING (≤ 10 s).
     fn restart(&mut self) {
-        assert!(self.child.is_none());
-        let child = Command::new(redis_bin())
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("redis-server starts");
-        self.child = Some(child);
-        let t0 = Instant::now();
-        loop {
-            if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) {
-                use std::io::Write;
-                let mut s = s;
-                s.set_read_timeout(Some(Duration::from_millis(500)))
-                    .unwrap();
-                if s.write_all(b"PING\r\n").is_ok() {
-                    let mut line = String::new();
-                    if BufReader::new(&s).read_line(&mut line).is_ok() && line.starts_with("+PONG")
-                    {
-                        return;
-                    }
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "redis-server did not answer PING on port {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.0.restart().expect("redis-server restarts");
     }
-
-    /// SIGKILL by PID and reap.
     fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.0.kill();
     }
 }
 
@@ -356,7 +264,7 @@ async fn second_replica_pulls_the_turn_the_first_stored() {
         redis.url(),
         p0_d0_registry(&p, &d)
     );
-    let path = redis.dir.join("router.toml");
+    let path = redis.0.dir().join("router.toml");
     std::fs::write(&path, cfg).unwrap();
     let router = PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
     let ra = start_bin(&router, &["--config", path.to_str().unwrap()]);

@@ -1,6 +1,7 @@
 //! kvloop's test support, in one crate: child processes that announce
 //! readiness ([`ReadyChild`], [`NodeChild`]), two "nodes" in network
-//! namespaces ([`NodePair`]), several on one bridge ([`NodeStar`]), free ports, the lookup of the workspace's
+//! namespaces ([`NodePair`]), several on one bridge ([`NodeStar`]), a real
+//! `redis-server` ([`RedisServer`]), free ports, the lookup of the workspace's
 //! binaries, and the policy for tests with a real dependency ([`deps`]).
 //!
 //! Policy (ARCHITECTURE.md, issue 11): a test that needs root, a tool or a
@@ -16,6 +17,7 @@ pub mod child;
 pub mod deps;
 pub mod netns;
 pub mod netns_star;
+pub mod redis;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -27,6 +29,7 @@ pub use deps::{
 };
 pub use netns::NodePair;
 pub use netns_star::{NodeStar, StarNode};
+pub use redis::RedisServer;
 
 /// Path of a workspace binary next to the running test (`target/<profile>/<name>`).
 ///

@@ -23,13 +23,19 @@ pub struct NodePair {
 }
 
 fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
+    run("ip", args)
+}
+
+/// Runs `program args` (iproute2's `ip` or `tc`); an error names the
+/// command and its stderr.
+pub(crate) fn run(program: &str, args: &[&str]) -> Result<()> {
+    let out = Command::new(program)
         .args(args)
         .output()
-        .context("running `ip` (install iproute2)")?;
+        .with_context(|| format!("running `{program}` (install iproute2)"))?;
     if !out.status.success() {
         bail!(
-            "ip {}: {}",
+            "{program} {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         );

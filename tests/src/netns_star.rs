@@ -14,6 +14,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
+use crate::netns::run;
+
 /// One node of a [`NodeStar`].
 #[derive(Debug, Clone)]
 pub struct StarNode {
@@ -35,21 +37,6 @@ pub struct NodeStar {
     pub nodes: Vec<StarNode>,
     net: (u8, u8),
     extra: std::sync::Mutex<u8>,
-}
-
-fn run(program: &str, args: &[&str]) -> Result<()> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("running `{program}` (install iproute2)"))?;
-    if !out.status.success() {
-        bail!(
-            "{program} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
 }
 
 impl NodeStar {

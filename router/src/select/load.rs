@@ -25,8 +25,6 @@ struct Engine {
 /// Per-engine load counters, shared by the request tasks.
 pub struct LoadBook {
     engines: Vec<Engine>,
-    /// f64 bits of the EWMA of computed tokens per prefill (all engines).
-    mean_prefill_tokens_bits: AtomicU64,
     /// f64 bits of the EWMA of predicted compute per prefill, ms (0: none yet).
     mean_prefill_ms_bits: AtomicU64,
 }
@@ -74,7 +72,6 @@ impl LoadBook {
                     ..Engine::default()
                 })
                 .collect(),
-            mean_prefill_tokens_bits: AtomicU64::new(0),
             mean_prefill_ms_bits: AtomicU64::new(0),
         })
     }
@@ -114,22 +111,6 @@ impl LoadBook {
                 },
             );
         }
-        let _ = self.mean_prefill_tokens_bits.fetch_update(
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-            |bits| {
-                let t = tokens as f64;
-                Some(
-                    if bits == 0 {
-                        t
-                    } else {
-                        let old = f64::from_bits(bits);
-                        old + EWMA_ALPHA * (t - old)
-                    }
-                    .to_bits(),
-                )
-            },
-        );
         PrefillGuard {
             book: self.clone(),
             engine,
@@ -189,23 +170,6 @@ impl LoadBook {
                 Ordering::Relaxed,
             );
         }
-    }
-
-    /// Prefill tokens queued or computing on `engine` by its own report:
-    /// its reported requests × the mean computed tokens of a prefill
-    /// (`None` when it reported nothing). Sees the load that other router
-    /// replicas put on it, which [`Self::outstanding_prefill_tokens`] does not.
-    pub fn reported_prefill_tokens(&self, engine: u16) -> Option<u64> {
-        let n = self
-            .engines
-            .get(usize::from(engine))?
-            .reported_requests
-            .load(Ordering::Relaxed);
-        if n == u32::MAX {
-            return None;
-        }
-        let mean = f64::from_bits(self.mean_prefill_tokens_bits.load(Ordering::Relaxed));
-        Some((f64::from(n) * mean).round() as u64)
     }
 
     /// Queue ahead of a new prefill on `engine`, ms, from predicted compute:
@@ -268,18 +232,6 @@ mod tests {
     }
 
     #[test]
-    fn reported_queues_are_requests_times_the_mean_prefill() {
-        let b = LoadBook::new(2);
-        assert_eq!(b.reported_prefill_tokens(0), None);
-        drop(b.begin_prefill(0, 1000, None));
-        drop(b.begin_prefill(1, 2000, None)); // mean 1000 + 0.2 × 1000 = 1200
-        b.set_reported_requests(1, Some(3));
-        assert_eq!(b.reported_prefill_tokens(1), Some(3600));
-        b.set_reported_requests(1, None);
-        assert_eq!(b.reported_prefill_tokens(1), None);
-    }
-
-    #[test]
     fn queue_ms_is_the_larger_of_own_predictions_and_the_report() {
         let b = LoadBook::new(2);
         assert_eq!(b.queue_ms(0), None, "no prediction yet");
@@ -289,6 +241,8 @@ mod tests {
         assert_eq!(b.queue_ms(1), Some(0.0));
         b.set_reported_requests(1, Some(2));
         assert!((b.queue_ms(1).unwrap() - 240.0).abs() < 1e-9);
+        b.set_reported_requests(1, None);
+        assert_eq!(b.queue_ms(1), Some(0.0), "not reported: own count only");
         drop(g);
         assert_eq!(b.queue_ms(0), Some(200.0));
     }

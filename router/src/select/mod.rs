@@ -11,17 +11,13 @@
 //!   the reusable prefix (pull it from the previous D, or recompute it),
 //!   predicted TTFT =
 //!   `queue(P) + reuse + suffix`, where
-//!   - `queue(P)` = prefill tokens queued on P × P's ms per token (the
-//!     router's measured EWMA, [`load::LoadBook`], else the model's
-//!     `prefill_ms_per_token`); tokens queued = the larger of this
-//!     replica's own outstanding tokens on P and P's own report (its
-//!     `vllm:num_requests_waiting` + `running`, polled every
-//!     `load_interval_ms`, × the mean prefill), which also counts the other
-//!     replicas' requests. Where predictions were counted, the same in ms:
-//!     the larger of this replica's predicted compute outstanding on P and
-//!     P's reported requests × the mean predicted compute
-//!     ([`load::LoadBook::queue_ms`]), which keeps the fixed cost and the
-//!     attention term of long prompts that tokens × ms per token drops;
+//!   - `queue(P)` = the larger of this replica's predicted compute
+//!     outstanding on P and P's own report (its waiting and running
+//!     requests, polled every `load_interval_ms`) × the mean predicted
+//!     compute ([`load::LoadBook::queue_ms`]): the report also counts the
+//!     other replicas' requests. Before any prediction was counted: this
+//!     replica's outstanding prefill tokens on P × P's ms per token (the
+//!     model's `prefill_ms_per_token`);
 //!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
 //!     (P, previous D) model; recompute: `r · (a + b · r/2)`;
 //!   - `suffix` = the `s` new tokens after the `r` reused ones:
@@ -39,7 +35,8 @@
 //!   (reason `fallback_no_model`).
 //!
 //! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
-//! times of the chosen and the runner-up option ([`Selection::explain`]).
+//! times of the chosen and the runner-up option (one line:
+//! [`crate::explain::RouteRecord::line`]).
 //!
 //! Integration (server, `route_inner`): under `predicted_ttft` the router
 //! still picks a P round robin first (for `/tokenize`), takes the stored
@@ -55,8 +52,6 @@
 //! request path).
 pub mod load;
 pub mod route;
-
-use std::fmt::Write as _;
 
 use crate::thresholds::Effective;
 
@@ -75,9 +70,6 @@ pub struct PrefillView {
     pub outstanding_tokens: u64,
     /// Measured cost, ms per computed token (`None`: no sample yet).
     pub measured_ms_per_token: Option<f64>,
-    /// Prefill tokens queued or computing by the engine's own report (all
-    /// replicas' requests; [`load::LoadBook::reported_prefill_tokens`]).
-    pub reported_tokens: Option<u64>,
     /// Queue ahead on P from predicted compute, ms
     /// ([`load::LoadBook::queue_ms`]); replaces tokens × ms per token when
     /// known.
@@ -175,35 +167,6 @@ pub struct Selection {
     pub chosen: Option<Prediction>,
     /// The best option not chosen (predicted reasons, ≥ 2 options).
     pub runner_up: Option<Prediction>,
-}
-
-impl Selection {
-    /// One line for logs and `kvloop explain`; `name` maps a registry index
-    /// to its engine id.
-    pub fn explain(&self, name: impl Fn(u16) -> String) -> String {
-        let mut s = format!(
-            "reason={} prefill={} decode={} action={}",
-            self.reason.as_str(),
-            name(self.prefill),
-            name(self.decode),
-            if self.pull { "pull" } else { "recompute" }
-        );
-        for (label, p) in [("chosen", self.chosen), ("runner_up", self.runner_up)] {
-            if let Some(p) = p {
-                let _ = write!(
-                    s,
-                    " {label}=({} {} ttft={:.3}ms queue={:.3} reuse={:.3} suffix={:.3})",
-                    name(p.prefill),
-                    if p.pull { "pull" } else { "recompute" },
-                    p.ttft_ms,
-                    p.queue_ms,
-                    p.reuse_ms,
-                    p.suffix_ms
-                );
-            }
-        }
-        s
-    }
 }
 
 /// No healthy engine of a role.
@@ -316,8 +279,9 @@ pub fn select(
         let per_token = p.measured_ms_per_token.unwrap_or(a);
         // The larger of this replica's own count and the engine's report
         // (which also holds other replicas' requests, but lags).
-        let queued = p.outstanding_tokens.max(p.reported_tokens.unwrap_or(0));
-        let queue_ms = p.queue_ms.unwrap_or(queued as f64 * per_token);
+        let queue_ms = p
+            .queue_ms
+            .unwrap_or(p.outstanding_tokens as f64 * per_token);
         let rf = r as f64;
         let s = (turn.prompt_tokens - r) as f64;
         let suffix_ms = s * (a + b * (rf + s / 2.0));

@@ -121,7 +121,6 @@ pub fn place_with_load(
             healthy: healthy(index),
             outstanding_tokens: load.outstanding_prefill_tokens(index),
             measured_ms_per_token: None,
-            reported_tokens: load.reported_prefill_tokens(index),
             queue_ms: load.queue_ms(index),
         })
         .collect();
@@ -210,7 +209,6 @@ mod tests {
             healthy: true,
             outstanding_tokens: 0,
             measured_ms_per_token: None,
-            reported_tokens: None,
             queue_ms: None,
         };
         let d = DecodeView {

@@ -29,7 +29,6 @@ fn p(index: u16, outstanding_tokens: u64) -> PrefillView {
         healthy: true,
         outstanding_tokens,
         measured_ms_per_token: None,
-        reported_tokens: None,
         queue_ms: None,
     }
 }
@@ -286,10 +285,20 @@ fn every_decision_is_explained() {
         0,
     )
     .unwrap();
-    let line = s.explain(|i| format!("e{i}"));
+    // The one line of a routed turn (crate::explain) carries the selection.
+    let routed = crate::explain::Routed {
+        request_id: "r",
+        at_ms: 0,
+        policy: "predicted_ttft",
+        decision: "pulled",
+        reused_tokens: 1800,
+        reusable_tokens: 1800,
+        previous_decode: None,
+    };
+    let line = crate::explain::RouteRecord::from_selection(&routed, &s, |i| format!("e{i}")).line();
     assert_eq!(
         line,
-        "reason=predicted_pull prefill=e1 decode=e2 action=pull \
+        "reason=predicted_pull decision=pulled prefill=e1 decode=e2 action=pull reused=1800 reusable=1800 \
          chosen=(e1 pull ttft=8.600ms queue=0.000 reuse=2.800 suffix=5.800) \
          runner_up=(e0 recompute ttft=40.000ms queue=0.000 reuse=34.200 suffix=5.800)"
     );

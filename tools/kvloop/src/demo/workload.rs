@@ -303,6 +303,18 @@ pub(super) async fn wait_healthy(http: &reqwest::Client, url: &str) -> Result<()
 
 /// The (p0, d0) threshold in force at the router, if any.
 async fn router_threshold(http: &reqwest::Client, url: &str) -> Option<u64> {
+    // The (p0, d0) entry when it is in force (pushed and not lapsed).
+    in_force_pairs(http, url).await?.iter().find_map(|p| {
+        (p["prefill_engine_id"] == "p0" && p["decode_engine_id"] == "d0")
+            .then(|| p["threshold_tokens"].as_u64())
+            .flatten()
+    })
+}
+
+/// The pushed pair thresholds in force at the router at `url`
+/// (`GET /admin/thresholds` with the demos' token); `None` when it does
+/// not answer.
+pub(super) async fn in_force_pairs(http: &reqwest::Client, url: &str) -> Option<Vec<Value>> {
     let v: Value = http
         .get(format!("{url}/admin/thresholds"))
         .bearer_auth(ADMIN_TOKEN)
@@ -312,10 +324,12 @@ async fn router_threshold(http: &reqwest::Client, url: &str) -> Option<u64> {
         .json()
         .await
         .ok()?;
-    // The (p0, d0) entry when it is in force (pushed and not lapsed).
-    v["pairs"].as_array()?.iter().find_map(|p| {
-        (p["prefill_engine_id"] == "p0" && p["decode_engine_id"] == "d0" && p["in_force"] == true)
-            .then(|| p["threshold_tokens"].as_u64())
-            .flatten()
-    })
+    Some(
+        v["pairs"]
+            .as_array()?
+            .iter()
+            .filter(|p| p["in_force"] == true)
+            .cloned()
+            .collect(),
+    )
 }

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use kvloop_loadgen::sse::{SseParser, StreamEvent, parse_event};
 use kvloop_loadgen::{Conversation, Message};
 use serde_json::json;
+
+use super::unix_ms;
 use std::sync::Mutex;
 
 /// One request as the client saw it.
@@ -69,12 +71,6 @@ pub(super) struct Drive {
     pub(super) done: AtomicUsize,
     pub(super) records: Mutex<Vec<Rec>>,
     seq: AtomicUsize,
-}
-
-fn unix_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 impl Drive {

@@ -41,7 +41,7 @@ pub mod oracle;
 mod procs;
 mod report;
 
-use procs::{ADMIN_TOKEN, Bins, Cluster, KVLOOP, PolicySpec, RR_ADAPTIVE, RR_FIXED};
+use procs::{Bins, Cluster, KVLOOP, PolicySpec, RR_ADAPTIVE, RR_FIXED};
 
 /// Flags of `kvloop demo cluster`.
 #[derive(Clone, Debug, Args)]
@@ -124,8 +124,8 @@ struct PolicyRun {
     scenario: String,
     wall_s: f64,
     records: Vec<drive::Rec>,
-    /// New `/sim/prefills` entries of each P.
-    prefills: Vec<Value>,
+    /// New `/sim/prefills` entries, by P.
+    prefills: Vec<(String, Value)>,
     /// New `/sim/reads` entries of every engine (P: d2p, D: p2d).
     reads: Vec<(String, Value)>,
     events: Vec<Event>,
@@ -317,3 +317,10 @@ async fn collect_stats(http: &reqwest::Client, c: &Cluster) -> Vec<(String, Valu
 mod run;
 use super::workload::get_json;
 use run::RunCtx;
+
+/// Wall-clock time, Unix ms (the engines log in it too).
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}

@@ -6,20 +6,18 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use kvloop_cli::child::ReadyChild;
+use kvloop_tests::RedisServer;
 use kvloop_tests::netns_star::NodeStar;
 
 use super::ClusterArgs;
 
-/// Token of the demo's routers (agents push with it).
-pub(super) const ADMIN_TOKEN: &str = "kvloop-demo";
+use super::super::cluster::ADMIN_TOKEN;
 /// The name every agent resolves to both router replicas (headless-Service style).
 pub(super) const ROUTERS_NAME: &str = "kvloop-routers";
 /// Agents' HTTP port (on each node's own address).
 const AGENT_PORT: u16 = 9470;
-/// Redis port on the router node's loopback.
-pub(super) const REDIS_PORT: u16 = 6399;
 
 /// A policy: how its two replicas are started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +74,8 @@ pub(super) struct Cluster {
     pub(super) prefill: Vec<Engine>,
     pub(super) decode: Vec<Engine>,
     agents: Vec<ReadyChild>,
-    _redis: Redis,
+    /// Redis (the replicas' shared store).
+    pub(super) redis: RedisServer,
     /// The two router addresses.
     pub(super) router_addrs: [Ipv4Addr; 2],
     sockets: Vec<PathBuf>,
@@ -172,66 +171,20 @@ pub(super) fn start(a: &ClusterArgs, star: &NodeStar, bins: &Bins, logs: &Path) 
         prefill,
         decode,
         agents,
-        _redis: redis,
+        redis,
         router_addrs,
         sockets,
     })
 }
 
-/// `redis-server` on the router node's loopback, without persistence;
-/// SIGKILLed by its PID on drop (and by the kernel if the demo dies).
-pub(super) struct Redis(std::process::Child);
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts Redis and waits (up to 10 s) until it accepts connections; the
-/// caller's thread is in the router node's namespace.
-fn start_redis(star: &NodeStar, logs: &Path) -> Result<Redis> {
-    use std::os::unix::process::CommandExt;
-    let Some(redis) = which("redis-server") else {
-        bail!("redis-server not found: install Debian's redis-server (`make test` bootstraps it)")
-    };
-    let dir = logs.join("redis");
-    std::fs::create_dir_all(&dir)?;
-    let mut c = star.command_in("router", &redis);
-    c.args(["--port", &REDIS_PORT.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-        .arg("--dir")
-        .arg(&dir)
-        .stdout(std::fs::File::create(logs.join("redis.log"))?)
-        .stdin(std::process::Stdio::null());
-    // SAFETY: prctl in the child before exec; async-signal-safe.
-    unsafe {
-        c.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
-    let r = Redis(c.spawn().context("starting redis-server")?);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", REDIS_PORT)).is_err() {
-        if std::time::Instant::now() > deadline {
-            bail!(
-                "redis-server did not accept connections within 10 s; see {}/redis.log",
-                logs.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(r)
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
+/// `redis-server` on the router node's loopback (`kvloop_tests::RedisServer`
+/// through `ip netns exec`); the caller's thread is in that namespace, where
+/// its readiness is checked.
+fn start_redis(star: &NodeStar, logs: &Path) -> Result<RedisServer> {
+    let ns = star.node("router").ns.clone();
+    RedisServer::start_with(Some(&logs.join("redis.log")), move |bin| {
+        kvloop_tests::NodePair::command_in(&ns, bin)
+    })
 }
 
 /// An agent: probes its peers with READs of the engines' block shape;
@@ -307,10 +260,11 @@ load_interval_ms = 100
 policy = "{}"
 kv_recompute_threshold = 64
 route_header = true
-store = "redis://127.0.0.1:{REDIS_PORT}/0"
+store = "{}"
 store_key_prefix = "{key_prefix}"
 "#,
-            spec.policy
+            spec.policy,
+            self.redis.url()
         );
         for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             for e in list {

@@ -64,25 +64,22 @@ fn path_lines(
             .iter()
             .map(|x| (x.request_id.as_str(), x))
             .collect();
-        let by_engine: HashMap<(&str, &str), &Value> = r
+        // A READ's engine request id → its prefill (router request id, time).
+        let pre_of: HashMap<&str, &Value> = r
             .prefills
             .iter()
-            .map(|p| ((s(p, "engine_request_id"), s(p, "request_id")), p))
-            .collect();
-        let engine_to_router: HashMap<&str, (&str, &Value)> = by_engine
-            .iter()
-            .map(|((e, rid), p)| (*e, (*rid, *p)))
+            .map(|(_, p)| (s(p, "engine_request_id"), p))
             .collect();
         for (p_id, read) in &r.reads {
             if s(read, "direction") != "d2p" || read.get("error").is_some_and(|e| !e.is_null()) {
                 continue;
             }
             let tokens = read.get("tokens").and_then(Value::as_u64).unwrap_or(0);
-            let Some((rid, pre)) = engine_to_router.get(s(read, "request_id")) else {
+            let Some(pre) = pre_of.get(s(read, "request_id")) else {
                 continue;
             };
             let Some(prev) = routes
-                .get(rid)
+                .get(s(pre, "request_id"))
                 .and_then(|x| x.route.as_deref())
                 .and_then(|l| route_field(l, "prev_decode"))
             else {
@@ -151,33 +148,16 @@ fn row(
     let pre: HashMap<&str, &Value> = run
         .prefills
         .iter()
-        .map(|p| (s(p, "request_id"), p))
+        .map(|(_, p)| (s(p, "request_id"), p))
         .collect();
     let spans: Vec<Span> = run
         .prefills
         .iter()
-        .map(|p| Span {
-            prefill: s(p, "request_id").to_string(),
+        .map(|(engine, p)| Span {
+            prefill: engine.clone(),
             ready_ms: f(p, "arrived_unix_ms") + f(p, "read_ms"),
             start_ms: f(p, "compute_start_unix_ms"),
             end_ms: f(p, "compute_end_unix_ms"),
-        })
-        .collect();
-    // Span.prefill must be the P's id: from the route of the request.
-    let route_of: HashMap<&str, &str> = ok
-        .iter()
-        .filter_map(|r| {
-            Some((
-                r.request_id.as_str(),
-                route_field(r.route.as_deref()?, "prefill")?,
-            ))
-        })
-        .collect();
-    let spans: Vec<Span> = spans
-        .into_iter()
-        .filter_map(|mut sp| {
-            sp.prefill = route_of.get(sp.prefill.as_str())?.to_string();
-            Some(sp)
         })
         .collect();
     let windows = degraded_windows(run);

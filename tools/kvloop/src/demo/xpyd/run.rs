@@ -12,10 +12,10 @@ use kvloop_loadgen::Conversation;
 use kvloop_tests::netns_star::NodeStar;
 use serde_json::Value;
 
-use super::super::workload::wait_healthy;
+use super::super::workload::{in_force_pairs, wait_healthy};
 use super::drive::Drive;
 use super::procs::{Bins, Cluster, PolicySpec};
-use super::{ADMIN_TOKEN, ClusterArgs, Event, PolicyRun, get_json};
+use super::{ClusterArgs, Event, PolicyRun, get_json, unix_ms};
 
 /// What a policy's run needs.
 pub(super) struct RunCtx<'a> {
@@ -42,12 +42,6 @@ fn slug(spec: &PolicySpec) -> String {
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect::<String>()
         .replace("--", "-")
-}
-
-fn unix_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 impl RunCtx<'_> {
@@ -167,7 +161,7 @@ impl RunCtx<'_> {
         let mut reads = Vec::new();
         for (id, (p0, r0)) in &before {
             let (p1, r1) = &after[id];
-            prefills.extend(new_entries(p0, p1));
+            prefills.extend(new_entries(p0, p1).into_iter().map(|p| (id.clone(), p)));
             reads.extend(new_entries(r0, r1).into_iter().map(|r| (id.clone(), r)));
         }
         Ok(PolicyRun {
@@ -254,26 +248,7 @@ fn new_entries(before: &Value, after: &Value) -> Vec<Value> {
 async fn wait_pushed(http: &reqwest::Client, url: &str, want: usize) -> usize {
     let t = Instant::now();
     loop {
-        let n = async {
-            let v: Value = http
-                .get(format!("{url}/admin/thresholds"))
-                .bearer_auth(ADMIN_TOKEN)
-                .send()
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()?;
-            Some(
-                v["pairs"]
-                    .as_array()?
-                    .iter()
-                    .filter(|p| p["in_force"] == true)
-                    .count(),
-            )
-        }
-        .await
-        .unwrap_or(0);
+        let n = in_force_pairs(http, url).await.map_or(0, |p| p.len());
         if n >= want || t.elapsed() > Duration::from_secs(30) {
             return n;
         }
