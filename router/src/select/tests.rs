@@ -285,23 +285,27 @@ fn every_decision_is_explained() {
         0,
     )
     .unwrap();
-    // The one line of a routed turn (crate::explain) carries the selection.
-    let routed = crate::explain::Routed {
-        request_id: "r",
-        at_ms: 0,
-        policy: "predicted_ttft",
-        decision: "pulled",
-        reused_tokens: 1800,
-        reusable_tokens: 1800,
-        previous_decode: None,
-    };
-    let line = crate::explain::RouteRecord::from_selection(&routed, &s, |i| format!("e{i}")).line();
+    // What the route line prints (its format: `crate::explain`'s tests):
+    // reason=predicted_pull prefill=e1 decode=e2 action=pull
+    // chosen=(e1 pull ttft=8.600ms queue=0.000 reuse=2.800 suffix=5.800)
+    // runner_up=(e0 recompute ttft=40.000ms queue=0.000 reuse=34.200 suffix=5.800)
     assert_eq!(
-        line,
-        "reason=predicted_pull decision=pulled prefill=e1 decode=e2 action=pull reused=1800 reusable=1800 \
-         chosen=(e1 pull ttft=8.600ms queue=0.000 reuse=2.800 suffix=5.800) \
-         runner_up=(e0 recompute ttft=40.000ms queue=0.000 reuse=34.200 suffix=5.800)"
+        (s.reason, s.prefill, s.decode, s.pull),
+        (SelectReason::PredictedPull, 1, 2, true)
     );
+    let ms = |p: &Prediction| {
+        let r = |v: f64| (v * 1000.0).round() / 1000.0;
+        (
+            p.prefill,
+            p.pull,
+            r(p.ttft_ms),
+            r(p.queue_ms),
+            r(p.reuse_ms),
+            r(p.suffix_ms),
+        )
+    };
+    assert_eq!(ms(&s.chosen.unwrap()), (1, true, 8.6, 0.0, 2.8, 5.8));
+    assert_eq!(ms(&s.runner_up.unwrap()), (0, false, 40.0, 0.0, 34.2, 5.8));
     let names: Vec<_> = SelectReason::ALL.iter().map(|r| r.as_str()).collect();
     assert_eq!(
         names,
