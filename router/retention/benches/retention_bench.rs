@@ -26,6 +26,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
+use kvloop_loadgen::report::percentile;
 use kvloop_retention::{
     GapBook, HoldFacts, RetentionConfig, RetentionMode, RetentionPolicy, RetentionReason, Verdict,
 };
@@ -227,7 +228,7 @@ fn simulate(plans: &[Plan], cfg: RetentionConfig) -> Out {
                     kv_usage: Some(usage(held_blocks)),
                     conversation_gap_ms: last_gap[c],
                 };
-                let v = policy.first_lease(&gaps.get(p.tenant), &facts);
+                let v = policy.first_lease(gaps.get(p.tenant), &facts);
                 holds.insert(
                     g,
                     Hold {
@@ -273,7 +274,7 @@ fn simulate(plans: &[Plan], cfg: RetentionConfig) -> Out {
                         kv_usage: Some(usage(held_blocks)),
                         conversation_gap_ms: last_gap[c],
                     };
-                    policy.renew(&gaps.get(plans[c].tenant), &facts)
+                    policy.renew(gaps.get(plans[c].tenant), &facts)
                 } else {
                     Verdict {
                         keep_ms: 0,
@@ -310,14 +311,6 @@ fn simulate(plans: &[Plan], cfg: RetentionConfig) -> Out {
 
 fn usage(held_blocks: u64) -> f64 {
     ACTIVE_SHARE + held_blocks as f64 / D_CAPACITY_BLOCKS as f64
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
 fn main() {
@@ -369,11 +362,11 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut png = Vec::new();
-    for (name, o) in &mut rows {
+    for (name, o) in &rows {
         let mean = o.ttft_ms.iter().sum::<f64>() / o.ttft_ms.len().max(1) as f64;
         let hit = o.hits as f64 / o.next_turns.max(1) as f64;
-        let p50 = pct(&mut o.ttft_ms, 0.5);
-        let p90 = pct(&mut o.ttft_ms, 0.9);
+        let p50 = percentile(&o.ttft_ms, 0.5).unwrap_or(f64::NAN);
+        let p90 = percentile(&o.ttft_ms, 0.9).unwrap_or(f64::NAN);
         println!(
             "| {name} | {:.0} | {:.2} | {:.1} % | {p50:.0} | {p90:.0} | {mean:.0} | {} | {} | {} | {} |",
             o.block_ms / 1000.0,

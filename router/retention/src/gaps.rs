@@ -118,8 +118,8 @@ impl GapHistogram {
         Some(bounds(GAP_BUCKETS - 1).1)
     }
 
-    /// Probability that the next turn arrives in `(elapsed_ms, elapsed_ms
-    /// + window_ms]`, given that it has not arrived by `elapsed_ms`
+    /// Probability that the next turn arrives within `window_ms` after
+    /// `elapsed_ms`, given that it has not arrived by `elapsed_ms`
     /// (abandoned conversations count as never arriving). `None` without
     /// observations.
     pub fn p_next_within(&self, elapsed_ms: u64, window_ms: u64) -> Option<f64> {

@@ -35,6 +35,8 @@ pub const MAX_TENANTS: usize = 4096;
 #[derive(Clone, Debug, Default)]
 pub struct GapBook {
     tenants: BTreeMap<String, GapHistogram>,
+    /// What an unseen tenant reads.
+    empty: GapHistogram,
 }
 
 impl GapBook {
@@ -45,13 +47,13 @@ impl GapBook {
         self.tenants.entry(tenant.to_string()).or_default()
     }
 
-    /// The tenant's histogram (an empty one when unseen).
-    pub fn get(&self, tenant: &str) -> GapHistogram {
+    /// The tenant's histogram (the shared overflow one, or an empty one,
+    /// when unseen).
+    pub fn get(&self, tenant: &str) -> &GapHistogram {
         self.tenants
             .get(tenant)
             .or_else(|| self.tenants.get(""))
-            .cloned()
-            .unwrap_or_default()
+            .unwrap_or(&self.empty)
     }
 
     /// A next turn of `tenant` came `gap_ms` after its previous one.
