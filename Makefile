@@ -15,11 +15,13 @@ export UCX_MODULES := ^ib*
 export LD_LIBRARY_PATH := $(NIXL_LIBS):$(LD_LIBRARY_PATH)
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: help bootstrap build test demo demo-slow-link demo-cluster bench lint fmt
+.PHONY: help bootstrap build test demo demo-hold demo-slow-link demo-cluster demo-cluster-hold bench lint fmt
 
 help:
 	@echo "make demo   - run the main job (installs what it needs first)"
+	@echo "make demo-hold - make demo, then keep it running for kvloop doctor/ping/top (Ctrl-C ends)"
 	@echo "make demo-cluster - the emulated xPyD cluster: three policies side by side"
+	@echo "make demo-cluster-hold - make demo-cluster, then keep it running for the tools"
 	@echo "make test   - run every test (installs what it needs first)"
 	@echo "make bench  - run the benchmarks (tables on stdout)"
 	@echo "make lint   - cargo fmt --check and clippy -D warnings"
@@ -46,6 +48,12 @@ test: bootstrap
 demo: build
 	target/release/kvloop demo
 
+# make demo, then the nodes, agents, engines and router stay up for
+# `kvloop doctor` / `ping` / `top` (commands printed, and in
+# target/kvloop-demo/hold.json) until Ctrl-C.
+demo-hold: build
+	target/release/kvloop demo --hold
+
 # The same loop with the D→P link slowed (tc tbf) mid-run.
 demo-slow-link: build
 	target/release/kvloop demo slow-link
@@ -54,6 +62,9 @@ demo-slow-link: build
 # slow path; rr + fixed 64 / rr + adaptive / kvloop's selection side by side.
 demo-cluster: build
 	target/release/kvloop demo cluster
+
+demo-cluster-hold: build
+	target/release/kvloop demo cluster --hold
 
 bench: build
 	target/release/kvloop bench read --nixl UCX

@@ -1,8 +1,8 @@
 //! kvloop's test support, in one crate: child processes that announce
 //! readiness ([`ReadyChild`], [`NodeChild`]), two "nodes" in network
 //! namespaces ([`NodePair`]), several on one bridge ([`NodeStar`]), a real
-//! `redis-server` ([`RedisServer`]), free ports, the lookup of the workspace's
-//! binaries, and the policy for tests with a real dependency ([`deps`]).
+//! `redis-server` ([`RedisServer`]), a demo held for the tools ([`held`]),
+//! free ports, the lookup of the workspace's binaries, and the policy for tests with a real dependency ([`deps`]).
 //!
 //! Policy (ARCHITECTURE.md, issue 11): a test that needs root, a tool or a
 //! runtime is marked `#[ignore = "needs root (network namespaces)"]`-style,
@@ -15,6 +15,7 @@
 //! stays light: no dataplane, no probes.
 pub mod child;
 pub mod deps;
+pub mod held;
 pub mod netns;
 pub mod netns_star;
 pub mod redis;

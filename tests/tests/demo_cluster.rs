@@ -8,10 +8,59 @@
 //! pulled across replicas (the shared store works), that kvloop's
 //! selection predicted, and that no KV block mismatched. No timing
 //! assertions: the TTFT comparison is the demo's table, not a test.
-use std::process::Command;
+use std::time::Duration;
 
+use kvloop_tests::held::*;
 use kvloop_tests::*;
 use serde_json::Value;
+
+/// `kvloop doctor` on the first P node, `kvloop ping` from it to the first
+/// D node's agent, `kvloop top --once --json` over every agent and router
+/// replica, as `hold.json` lists them (issue 16).
+fn tools_against_the_held_cluster(held: &Value) {
+    let nodes = held["nodes"].as_array().expect("nodes");
+    assert_eq!(nodes.len(), 5, "2 P + 3 D: {held}");
+    let s = |v: &Value| v.as_str().unwrap_or_else(|| panic!("{held}")).to_string();
+    let ns = s(&nodes[0]["netns"]);
+    let v = json_of(&tool_in(
+        &ns,
+        &[
+            "doctor",
+            "--json",
+            "--config",
+            &s(&nodes[0]["agent_config"]),
+        ],
+    ));
+    for c in ["side_channel", "routers", "clock"] {
+        assert_eq!(doctor_check(&v, c)["level"], "pass", "{c}: {v}");
+    }
+    let o = tool_in(
+        &ns,
+        &["ping", &s(&nodes[1]["agent_http"]), "-c", "10", "--json"],
+    );
+    assert!(o.status.success(), "ping failed");
+    for r in ping_summaries(&o) {
+        assert_eq!(r["failed"], 0, "{r}");
+    }
+    let mut args = vec!["top".to_string(), "--once".into(), "--json".into()];
+    for r in held["routers"].as_array().unwrap() {
+        args.extend(["--router".to_string(), s(r)]);
+    }
+    args.extend(nodes.iter().map(|n| s(&n["agent_http"])));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let v = json_of(&tool_in(&ns, &refs));
+    assert!(v["errors"].as_array().unwrap().is_empty(), "{v}");
+    // Every P agent probes every D: 2 × 3 paths at least, all valid.
+    let from_p = v["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["agent"].as_str().unwrap().starts_with("agent-p"))
+        .inspect(|p| assert_eq!(p["path_valid"], true, "{p}"))
+        .count();
+    assert!(from_p >= 6, "{v}");
+    assert_eq!(v["thresholds"].as_array().unwrap().len(), 6, "{v}");
+}
 
 #[test]
 #[ignore = "needs root (network namespaces, tc) and redis-server"]
@@ -22,26 +71,41 @@ fn small_cluster_demo_runs_every_policy_without_wrong_kv() {
         "redis-server",
         "redis-server",
     );
-    let kvloop = bin("kvloop");
+    bin("kvloop");
     bin("kvloop-engine-sim");
     bin("kvloop-router");
     bin("kvloop-agent");
-    let out = std::env::temp_dir().join(format!("kvloop-cluster-e2e-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let o = Command::new(&kvloop)
-        .args(["demo", "cluster", "--scenarios", "heterogeneous"])
-        .args(["--conversations", "6", "--turns", "3", "--concurrency", "3"])
-        .args(["--prefix-tokens", "4096,8192", "--max-policy-s", "120"])
-        .arg("--out-dir")
-        .arg(&out)
-        .output()
-        .expect("running kvloop demo cluster");
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        o.status.success(),
-        "kvloop demo cluster failed:\n{stdout}\n{stderr}"
+    require_tool(
+        "small_cluster_demo_runs_every_policy_without_wrong_kv",
+        "timeout",
+        "coreutils",
     );
+    let out = std::env::temp_dir().join(format!("kvloop-cluster-e2e-{}", std::process::id()));
+    let mut demo = HeldDemo::start(
+        &[
+            "demo",
+            "cluster",
+            "--scenarios",
+            "heterogeneous",
+            "--conversations",
+            "6",
+            "--turns",
+            "3",
+            "--concurrency",
+            "3",
+            "--prefix-tokens",
+            "4096,8192",
+            "--max-policy-s",
+            "120",
+        ],
+        &out,
+    );
+    // Held after its report: the operator tools against the running cluster.
+    let held = demo.wait_held(Duration::from_secs(1200));
+    tools_against_the_held_cluster(&held);
+    let status = demo.stop();
+    let stdout = demo.stdout();
+    assert!(status.success(), "kvloop demo cluster failed:\n{stdout}");
     eprintln!("{stdout}");
     assert!(out.join("ttft.png").exists());
     let report: Value =

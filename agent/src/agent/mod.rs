@@ -330,7 +330,8 @@ impl Agent {
             .into_iter()
             .map(|p| {
                 serde_json::json!({"prefill_engine_id": p.prefill_engine_id,
-                 "decode_engine_id": p.decode_engine_id, "threshold_tokens": p.threshold_tokens})
+                 "decode_engine_id": p.decode_engine_id, "threshold_tokens": p.threshold_tokens,
+                 "confidence": p.model.as_ref().map(|m| m.confidence)})
             })
             .collect();
         let peers: serde_json::Map<String, serde_json::Value> = self

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::Value;
 
-/// Two agents probing each other; waits (bounded) until A has a fit of B.
-fn pair(dir: &std::path::Path) -> (Daemon, Daemon) {
+/// Two agents probing each other; waits (bounded) until A has a fit of B
+/// and returns them with that `--once --json` snapshot of A.
+fn pair(dir: &std::path::Path) -> (Daemon, Daemon, Value) {
     let (pa, pb) = (free_port(), free_port());
     let ca = agent_toml(
         dir,
@@ -35,7 +36,7 @@ fn pair(dir: &std::path::Path) -> (Daemon, Daemon) {
                 && p["probe_reads"].as_u64() > Some(0)
         });
         if ok {
-            break;
+            return (a, b, v);
         }
         assert!(
             Instant::now() < deadline,
@@ -43,7 +44,6 @@ fn pair(dir: &std::path::Path) -> (Daemon, Daemon) {
         );
         std::thread::sleep(Duration::from_millis(500));
     }
-    (a, b)
 }
 
 fn once(agent: &str) -> Value {
@@ -59,8 +59,7 @@ fn once(agent: &str) -> Value {
 #[test]
 fn top_once_json_shows_the_paths_and_probe_latency() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, _b) = pair(dir.path());
-    let v = once(&a.http);
+    let (_a, _b, v) = pair(dir.path());
     let p = v["paths"]
         .as_array()
         .unwrap()
@@ -121,7 +120,7 @@ fn wait_for(sock: &str, what: &str) -> String {
 fn top_live_view_in_tmux_sorts_filters_and_quits() {
     need_tool("tmux");
     let dir = tempfile::tempdir().unwrap();
-    let (a, _b) = pair(dir.path());
+    let (a, _b, _) = pair(dir.path());
     let sock = format!("tl-top-{}", std::process::id());
     let cmd = format!("{KVLOOP} top {} --interval-ms 300 --seconds 60", a.http);
     let o = tmux(

@@ -98,6 +98,10 @@ pub(super) struct Cluster {
     pub(super) router_config: PathBuf,
     /// Listen address of the adaptive mode's router (agent A pushes there).
     pub(super) adaptive_router: String,
+    /// HTTP addresses (`host:port`) of agents A and B.
+    pub(super) agent_http: [String; 2],
+    /// Configuration files of agents A and B.
+    pub(super) agent_configs: [PathBuf; 2],
     agents: Vec<ReadyChild>,
 }
 
@@ -128,7 +132,8 @@ pub(super) fn start(a: &DemoArgs, topo: &Topology, bins: &Bins, logs: &Path) -> 
     // pushes the (p0, d0) threshold to the adaptive router, whose address
     // is chosen now.
     let adaptive_router = format!("{}:{}", topo.ip_a, free_port(topo.ip_a)?);
-    let agents = start_agents(a, topo, &bins.agent, logs, &adaptive_router)?;
+    let (agents, agent_http) = start_agents(a, topo, &bins.agent, logs, &adaptive_router)?;
+    let agent_configs = ["a", "b"].map(|s| a.out_dir.join(format!("agent-{s}.toml")));
     let (sock_a, sock_b) = (agent_socket("a"), agent_socket("b"));
     // Engines.
     let engine = |role: &str, id: &str, ip: IpAddr, node_b: bool| -> Result<ReadyChild> {
@@ -170,18 +175,21 @@ pub(super) fn start(a: &DemoArgs, topo: &Topology, bins: &Bins, logs: &Path) -> 
         d_url,
         router_config,
         adaptive_router,
+        agent_http,
+        agent_configs,
         agents,
     })
 }
 
-/// Starts agent A (node of P, pushing to `adaptive_router`) and agent B.
+/// Starts agent A (node of P, pushing to `adaptive_router`) and agent B;
+/// returns them with their HTTP addresses.
 fn start_agents(
     a: &DemoArgs,
     topo: &Topology,
     agent_bin: &Path,
     logs: &Path,
     adaptive_router: &str,
-) -> Result<Vec<ReadyChild>> {
+) -> Result<(Vec<ReadyChild>, [String; 2])> {
     let (port_a, port_b) = if topo.pair.is_some() {
         (9470, 9470)
     } else {
@@ -226,7 +234,7 @@ fn start_agents(
     println!(
         "agents: node-a {http_a}, node-b {http_b} (hosting the engines' KV, probing each other; node-a pushes to {adaptive_router})"
     );
-    Ok(agents)
+    Ok((agents, [http_a, http_b]))
 }
 
 /// The routers' TOML: P and D, token prefix checks, listening on node A.

@@ -23,9 +23,13 @@
 //! `slow-link`: the same with `tc tbf` lowering node B's egress (what P reads
 //! from D) mid-run of every mode.
 //!
+//! `--hold`: after the report, the loop keeps running for `kvloop doctor`,
+//! `ping` and `top` ([`hold`]).
+//!
 //! Files: [`topology`] (where the nodes are, the binaries), [`cluster`] (the
 //! agents, engines and routers it starts), [`workload`] (the modes run
-//! through the router), [`report`] (the table, `report.json`, the chart).
+//! through the router), [`report`] (the table, `report.json`, the chart),
+//! [`hold`] (`--hold`).
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -35,6 +39,7 @@ use clap::Args;
 use kvloop_cli::netns::NodePair;
 
 mod cluster;
+mod hold;
 mod report;
 mod topology;
 mod workload;
@@ -114,6 +119,14 @@ pub struct DemoArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// After the report, keep the nodes, agents, engines and the last
+    /// mode's router running for `kvloop doctor` / `ping` / `top` (see
+    /// `hold.json` under `--out-dir`) until Ctrl-C, SIGTERM or `--hold-max-s`.
+    #[arg(long)]
+    pub hold: bool,
+    /// Bound on `--hold`, seconds.
+    #[arg(long, default_value_t = 3600)]
+    pub hold_max_s: u64,
 }
 
 /// Runs the demo (`slow_link`: the slow-link scenario). Blocking: it runs
@@ -124,12 +137,9 @@ pub fn run(mut a: DemoArgs, slow_link: bool) -> Result<()> {
         a.out_dir = a.out_dir.join("slow-link");
     }
     // Ctrl-C / SIGTERM set a flag the demo polls; dropping the demo future
-    // then stops the children and removes the namespaces.
-    // SAFETY: the handler only stores to an atomic (async-signal-safe).
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
+    // then stops the children and removes the namespaces (during `--hold`
+    // the flag ends the hold, and the demo stops as it would without one).
+    hold::install_signals();
     // SAFETY: geteuid has no preconditions and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
     let pair = if root && !a.loopback {
@@ -169,7 +179,7 @@ pub fn run(mut a: DemoArgs, slow_link: bool) -> Result<()> {
                 .build()?;
             rt.block_on(async {
                 let stop = async {
-                    while !INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+                    while !hold::interrupted_outside_hold() {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 };
@@ -188,12 +198,6 @@ pub fn run(mut a: DemoArgs, slow_link: bool) -> Result<()> {
     topo.unlimit();
     drop(topo);
     result
-}
-
-static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn join_netns(ns: &str) -> Result<()> {

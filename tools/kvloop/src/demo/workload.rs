@@ -9,7 +9,10 @@ use kvloop_loadgen::tokenizer::TokenCounter;
 use kvloop_loadgen::{Conversation, agentic, client, report};
 use serde_json::Value;
 
+use kvloop_cli::child::ReadyChild;
+
 use super::cluster::{self, ADMIN_TOKEN, Bins, Cluster};
+use super::hold;
 use super::report::{Summary, bucket_edges, new_entries};
 use super::topology::{Topology, bin_dir, need_bin};
 use super::{DemoArgs, FIXED_THRESHOLD_TOKENS, OFF_THRESHOLD_TOKENS};
@@ -52,13 +55,62 @@ pub(super) async fn run_async(a: &DemoArgs, topo: &Topology, slow_link: bool) ->
         tok: &tok,
         slow_link,
     };
+    let mut last_router = None;
     for mode in &a.modes {
-        run.mode(mode, &mut sum).await?;
+        // Each mode's router stops when the next one starts.
+        last_router = Some(run.mode(mode, &mut sum).await?);
     }
     sum.p_stats = get_json(&http, &format!("{}/sim/stats", cluster.p_url)).await?;
     sum.d_stats = get_json(&http, &format!("{}/sim/stats", cluster.d_url)).await?;
+    if !a.hold {
+        drop(last_router.take());
+        cluster.stop();
+        return sum.finish(a, topo, slow_link, t_start);
+    }
+    let finished = sum.finish(a, topo, slow_link, t_start);
+    if finished.is_ok() {
+        let routers = match &last_router {
+            Some(r) => vec![format!("http://{}", r.get("http")?)],
+            None => Vec::new(),
+        };
+        hold::hold(&a.out_dir, &held(topo, &cluster, routers), a.hold_max_s).await?;
+    }
+    drop(last_router);
     cluster.stop();
-    sum.finish(a, topo, slow_link, t_start)
+    finished
+}
+
+/// What `--hold` leaves running: both nodes, their agents, the engines.
+fn held(topo: &Topology, c: &Cluster, routers: Vec<String>) -> hold::Held {
+    let ns = |b: bool| {
+        topo.pair
+            .as_ref()
+            .map(|p| if b { p.ns_b.clone() } else { p.ns_a.clone() })
+    };
+    let nodes = [("node-a", false), ("node-b", true)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, b))| hold::HeldNode {
+            name: name.into(),
+            netns: ns(b),
+            agent_http: c.agent_http[i].clone(),
+            agent_config: std::path::absolute(&c.agent_configs[i])
+                .unwrap_or_else(|_| c.agent_configs[i].clone())
+                .display()
+                .to_string(),
+        })
+        .collect();
+    hold::Held {
+        pid: std::process::id(),
+        nodes,
+        routers,
+        engines: vec![
+            ("p0".into(), c.p_url.clone()),
+            ("d0".into(), c.d_url.clone()),
+        ],
+        commands: Vec::new(),
+    }
+    .with_commands()
 }
 
 fn check_modes(modes: &[String]) -> Result<()> {
@@ -120,8 +172,8 @@ struct ModeCtx<'a> {
 
 impl ModeCtx<'_> {
     /// Runs `mode` behind its own router and adds its run, threshold and
-    /// READs to `sum`.
-    async fn mode(&self, mode: &str, sum: &mut Summary) -> Result<()> {
+    /// READs to `sum`; returns the router, still running.
+    async fn mode(&self, mode: &str, sum: &mut Summary) -> Result<ReadyChild> {
         let threshold = match mode {
             "OFF" => OFF_THRESHOLD_TOKENS,
             // adaptive: static 64 until the agent's first push.
@@ -168,8 +220,7 @@ impl ModeCtx<'_> {
             ),
         );
         sum.rep.push(run);
-        drop(router);
-        Ok(())
+        Ok(router)
     }
 
     /// The agent pushes every 500 ms once its model is fitted. In

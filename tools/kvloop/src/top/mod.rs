@@ -102,11 +102,12 @@ pub fn render_text(s: &Snapshot) -> String {
     }
     for t in &s.thresholds {
         o.push_str(&format!(
-            "threshold {} ({},{}) = {} tokens\n",
+            "threshold {} ({},{}) = {} tokens, confidence {}\n",
             t.agent,
             t.prefill,
             t.decode,
-            t.threshold_tokens.map_or("-".into(), |v| v.to_string())
+            t.threshold_tokens.map_or("-".into(), |v| v.to_string()),
+            opt(t.confidence, 2)
         ));
     }
     for (r, reason, n) in &s.decisions {
@@ -180,12 +181,13 @@ fn draw(f: &mut ratatui::Frame, s: &Snapshot, ui: &Ui, when: &str) {
                 t.prefill.clone(),
                 t.decode.clone(),
                 t.threshold_tokens.map_or("-".into(), |v| v.to_string()),
+                opt(t.confidence, 2),
             ])
         })
         .collect();
     f.render_widget(
-        Table::new(trows, [12, 16, 16, 10].map(Constraint::Length))
-            .header(Row::new(["AGENT", "PREFILL", "DECODE", "TOKENS"]))
+        Table::new(trows, [12, 16, 16, 10, 6].map(Constraint::Length))
+            .header(Row::new(["AGENT", "PREFILL", "DECODE", "TOKENS", "CONF"]))
             .block(Block::bordered().title(" thresholds ")),
         mid,
     );
@@ -222,8 +224,17 @@ fn draw(f: &mut ratatui::Frame, s: &Snapshot, ui: &Ui, when: &str) {
 /// # Errors
 /// Terminal errors; with `--once`, none (unreachable agents are listed).
 pub async fn run(a: TopArgs) -> Result<i32> {
+    // A live view waits at most one refresh period per request; one
+    // snapshot (`--once`) waits up to 5 s: an agent on a loaded node can be
+    // slower than the refresh period and must not vanish from a script's
+    // answer.
+    let timeout_ms = if a.once {
+        5000
+    } else {
+        a.interval_ms.clamp(200, 5000)
+    };
     let c = reqwest::Client::builder()
-        .timeout(Duration::from_millis(a.interval_ms.clamp(200, 5000)))
+        .timeout(Duration::from_millis(timeout_ms))
         .build()?;
     if a.once {
         let s = snapshot(&c, &a).await;

@@ -130,6 +130,10 @@ pub struct ThresholdRow {
     pub decode: String,
     /// Threshold, tokens.
     pub threshold_tokens: Option<u64>,
+    /// Confidence of the fitted model behind it, in `[0, 1]` (none while
+    /// the pair has no fit or its fit is invalidated: the router then uses
+    /// its static threshold).
+    pub confidence: Option<f64>,
 }
 
 /// Everything shown.
@@ -172,6 +176,7 @@ pub fn add_agent(snap: &mut Snapshot, status: &serde_json::Value, metrics: &str)
                 prefill: t["prefill_engine_id"].as_str().unwrap_or("?").into(),
                 decode: t["decode_engine_id"].as_str().unwrap_or("?").into(),
                 threshold_tokens: t["threshold_tokens"].as_u64(),
+                confidence: t["confidence"].as_f64(),
             });
         }
     }
@@ -278,7 +283,7 @@ kvloop_router_decisions_total{reason=\"no_params\"} 2\n";
                       "node-c": {"path_valid": true, "alarm": true,
                                  "bandwidth_bytes_per_s": 1e8, "fixed_ms": 0.9}},
             "thresholds": [{"prefill_engine_id": "p0", "decode_engine_id": "d0",
-                            "threshold_tokens": 320}]});
+                            "threshold_tokens": 320, "confidence": 0.75}]});
         let mut snap = Snapshot::default();
         add_agent(&mut snap, &st, METRICS);
         add_router(&mut snap, "r0", METRICS);
@@ -286,6 +291,7 @@ kvloop_router_decisions_total{reason=\"no_params\"} 2\n";
         assert_eq!(snap.paths[0].p99_us, Some(1024.0));
         assert_eq!(snap.paths[0].bandwidth_gbps, Some(2.5));
         assert_eq!(snap.thresholds[0].threshold_tokens, Some(320));
+        assert_eq!(snap.thresholds[0].confidence, Some(0.75));
         assert_eq!(snap.decisions.len(), 2);
         let v = view(&snap.paths, SortKey::Bandwidth, false, "");
         assert_eq!(v[0].peer, "node-c");

@@ -37,6 +37,7 @@ use kvloop_tests::netns_star::NodeStar;
 use serde_json::Value;
 
 mod drive;
+mod hold;
 pub mod oracle;
 mod procs;
 mod report;
@@ -112,6 +113,15 @@ pub struct ClusterArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// After the report, run the kvloop policy's two router replicas again
+    /// and keep the whole cluster up for `kvloop doctor` / `ping` / `top`
+    /// (see `hold.json` under `--out-dir`) until Ctrl-C, SIGTERM or
+    /// `--hold-max-s`.
+    #[arg(long)]
+    pub hold: bool,
+    /// Bound on `--hold`, seconds.
+    #[arg(long, default_value_t = 3600)]
+    pub hold_max_s: u64,
 }
 
 /// The policies, in the order they run.
@@ -263,8 +273,12 @@ async fn run_async(a: &ClusterArgs, star: &NodeStar) -> Result<()> {
         degrade_rate: a.degrade_rate.clone(),
         router_addrs: cluster.router_addrs.map(IpAddr::V4).to_vec(),
     };
+    let finished = report::finish(a, &topo, &runs, &stats, t_start);
+    if a.hold && finished.is_ok() {
+        hold::hold(a, star, &bins, &cluster, &logs, &http).await?;
+    }
     drop(cluster);
-    report::finish(a, &topo, &runs, &stats, t_start)
+    finished
 }
 
 /// Conversations (source files of this machine; nothing downloaded).

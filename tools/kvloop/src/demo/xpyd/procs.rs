@@ -17,7 +17,7 @@ use super::super::cluster::ADMIN_TOKEN;
 /// The name every agent resolves to both router replicas (headless-Service style).
 pub(super) const ROUTERS_NAME: &str = "kvloop-routers";
 /// Agents' HTTP port (on each node's own address).
-const AGENT_PORT: u16 = 9470;
+pub(super) const AGENT_PORT: u16 = 9470;
 
 /// A policy: how its two replicas are started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
