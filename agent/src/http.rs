@@ -9,6 +9,7 @@
 //! | `GET /metrics` | OpenMetrics text |
 //! | `GET /v1/engines` | [`EnginesInfo`] |
 //! | `POST /v1/leases/renew` | body [`RenewRequest`] → `LeaseInfo`, or `404`/`409` with an `ApiError` |
+//! | `POST /v1/leases/retention` | a router's retention decision: body [`RetentionRequest`], `Authorization: Bearer <router token>` when `routers[].token` is set → [`RetentionAnswer`], or `401`/`400`/`404`/`409` with an `ApiError` |
 //! | `GET /v1/explain?pair=P,D` | `{"text": ..., "explain": ...}` |
 //! | `GET /v1/status` | status JSON |
 use std::sync::Arc;
@@ -27,7 +28,9 @@ use crate::agent::Agent;
 use crate::garbage::{Peer, garbage_warn};
 use crate::proto::{ApiError, ErrorKind};
 
-pub use kvloop_agent_api::peer::{API_VERSION, RenewRequest};
+pub use kvloop_agent_api::peer::{
+    API_VERSION, RETENTION_PATH, RenewRequest, RetentionAnswer, RetentionRequest,
+};
 
 struct HttpState {
     agent: Arc<Agent>,
@@ -42,6 +45,7 @@ pub fn router(agent: Arc<Agent>, registry: Registry) -> axum::Router {
         .route("/metrics", get(metrics))
         .route("/v1/engines", get(engines))
         .route("/v1/leases/renew", post(renew))
+        .route(RETENTION_PATH, post(retention))
         .route("/v1/explain", get(explain))
         .route("/v1/status", get(status))
         .with_state(st)
@@ -115,6 +119,56 @@ async fn renew(
     }
     match s.agent.renew_local(&r.engine_id, &r.request_id, r.lease_ms) {
         Ok(i) => Json(i).into_response(),
+        Err(e) => err(StatusCode::CONFLICT, e),
+    }
+}
+
+async fn retention(
+    State(s): State<Arc<HttpState>>,
+    headers: axum::http::HeaderMap,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if !s.agent.retention_authorized(bearer) {
+        return err(
+            StatusCode::UNAUTHORIZED,
+            ApiError::new(
+                ErrorKind::BadRequest,
+                "Authorization: expected `Bearer <token>` of one of routers[] (the router's admin_token)",
+            ),
+        );
+    }
+    let r: RetentionRequest = match body
+        .map_err(|e| e.body_text())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            garbage_warn(
+                Peer::default(),
+                &format!("HTTP POST {RETENTION_PATH} body is not a retention request: {e}"),
+            );
+            return err(
+                StatusCode::BAD_REQUEST,
+                ApiError::new(ErrorKind::BadRequest, format!("body: {e}")),
+            );
+        }
+    };
+    if r.version != API_VERSION {
+        return err(
+            StatusCode::BAD_REQUEST,
+            ApiError::new(
+                ErrorKind::Version,
+                format!("version: agent speaks {API_VERSION}, got {}", r.version),
+            ),
+        );
+    }
+    match s.agent.retention(&r, bearer).await {
+        Ok(a) => Json(a).into_response(),
+        Err(e) if e.kind == ErrorKind::UnknownEngine => err(StatusCode::NOT_FOUND, e),
         Err(e) => err(StatusCode::CONFLICT, e),
     }
 }

@@ -86,6 +86,18 @@ pub enum LeaseError {
         /// How long the reader's renewal still holds them, ms.
         reading_for_ms: u64,
     },
+    /// The router released the blocks (the hold stays only while a READ
+    /// that started before the release is in flight): no new READ.
+    #[error(
+        "blocks of request `{request_id}` of engine `{engine_id}` were released by the router: \
+         READ declined, recompute"
+    )]
+    Released {
+        /// Owner engine id.
+        engine_id: String,
+        /// Owner request id.
+        request_id: String,
+    },
     /// Bad retain input; names the field.
     #[error("retain: `{field}`: expected {expected}")]
     Invalid {
@@ -106,6 +118,28 @@ struct Entry {
     /// A reader renewed the lease to READ until then (0: never renewed):
     /// the owner may not release the blocks before.
     reading_until_ms: u64,
+    /// The router released the hold while a READ was in flight: no new
+    /// READ or renewal; the entry lapses at `reading_until_ms` (or when
+    /// the READ notifies).
+    released: bool,
+}
+
+/// What a router's retention decision ([`LeaseTable::set_retention`]) did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RetentionOutcome {
+    /// Released now: tell the owner engine.
+    Released(Released),
+    /// A READ that started before is in flight: no new READ starts, and the
+    /// blocks go when it notifies or its renewal lapses.
+    Deferred {
+        /// How long the reader's renewal still holds them, ms.
+        reading_for_ms: u64,
+    },
+    /// Kept, now expiring in `expires_in_ms`.
+    Kept {
+        /// Time left, ms.
+        expires_in_ms: u64,
+    },
 }
 
 /// The lease table of one agent (all hosted engines).
@@ -167,6 +201,7 @@ impl LeaseTable {
                 expires_at_ms: now_ms.saturating_add(ttl),
                 received: 0,
                 reading_until_ms: 0,
+                released: false,
             },
         );
         Ok(self
@@ -206,6 +241,12 @@ impl LeaseTable {
             .entries
             .get_mut(&(engine_id.to_string(), request_id.to_string()))
         {
+            Some(e) if e.released => {
+                return Err(LeaseError::Released {
+                    engine_id: engine_id.into(),
+                    request_id: request_id.into(),
+                });
+            }
             Some(e) if e.expires_at_ms > now_ms => {
                 let want = now_ms.saturating_add(lease_ms.min(max));
                 e.expires_at_ms = e.expires_at_ms.max(want);
@@ -231,6 +272,12 @@ impl LeaseTable {
             .entries
             .get(&(engine_id.to_string(), request_id.to_string()))
             .ok_or_else(|| unknown(engine_id, request_id))?;
+        if e.released {
+            return Err(LeaseError::Released {
+                engine_id: engine_id.into(),
+                request_id: request_id.into(),
+            });
+        }
         let left = e.expires_at_ms.saturating_sub(now_ms);
         if left <= self.cfg.safety_margin_ms {
             return Err(LeaseError::ExpiringSoon {
@@ -300,6 +347,64 @@ impl LeaseTable {
         })
     }
 
+    /// The router's retention decision for a hold: `keep_ms` 0 releases it
+    /// (deferred while a READ that started before is in flight: no new READ
+    /// or renewal after this call); `keep_ms` > 0 sets its expiry to
+    /// `keep_ms` + the safety margin from now (a READ may start until
+    /// `keep_ms`), shortening or extending the owner's TTL, never below a
+    /// reader's renewal and never beyond `max_ttl_ms` from now. Idempotent:
+    /// the same call again has the same effect (a second release of a
+    /// released hold answers [`LeaseError::Unknown`] or `Deferred`).
+    ///
+    /// # Errors
+    /// [`LeaseError::Unknown`] when not retained (released, expired or never
+    /// retained); [`LeaseError::Released`] when asked to keep a hold the
+    /// router already released.
+    pub fn set_retention(
+        &mut self,
+        engine_id: &str,
+        request_id: &str,
+        keep_ms: u64,
+        now_ms: u64,
+    ) -> Result<RetentionOutcome, LeaseError> {
+        let key = (engine_id.to_string(), request_id.to_string());
+        let margin = self.cfg.safety_margin_ms;
+        let max_ttl = self.cfg.max_ttl_ms;
+        let e = match self.entries.get_mut(&key) {
+            Some(e) if e.expires_at_ms > now_ms => e,
+            _ => return Err(unknown(engine_id, request_id)),
+        };
+        if keep_ms == 0 {
+            if e.reading_until_ms > now_ms {
+                e.released = true;
+                e.expires_at_ms = e.reading_until_ms;
+                return Ok(RetentionOutcome::Deferred {
+                    reading_for_ms: e.reading_until_ms - now_ms,
+                });
+            }
+            let e = self.entries.remove(&key).expect("present");
+            return Ok(RetentionOutcome::Released(Released {
+                engine_id: key.0,
+                request_id: key.1,
+                block_ids: e.block_ids,
+                reason: ReleaseReason::Router,
+            }));
+        }
+        if e.released {
+            return Err(LeaseError::Released {
+                engine_id: key.0,
+                request_id: key.1,
+            });
+        }
+        let want = now_ms
+            .saturating_add(keep_ms.saturating_add(margin))
+            .min(now_ms.saturating_add(max_ttl));
+        e.expires_at_ms = want.max(e.reading_until_ms);
+        Ok(RetentionOutcome::Kept {
+            expires_in_ms: e.expires_at_ms - now_ms,
+        })
+    }
+
     /// Drops every entry of an engine (it unregistered).
     pub fn drop_engine(&mut self, engine_id: &str) {
         self.entries.retain(|(e, _), _| e != engine_id);
@@ -320,7 +425,11 @@ impl LeaseTable {
                     engine_id: k.0,
                     request_id: k.1,
                     block_ids: e.block_ids,
-                    reason: ReleaseReason::Expired,
+                    reason: if e.released {
+                        ReleaseReason::Router
+                    } else {
+                        ReleaseReason::Expired
+                    },
                 }
             })
             .collect()
@@ -470,5 +579,102 @@ mod tests {
         );
         t.drop_engine("d0");
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn retention_shortens_renews_and_releases_a_hold() {
+        let mut t = table();
+        t.retain("d0", "r1", vec![4], None, 0).unwrap();
+        // Adaptive first lease: 2 s (+ 1 s margin) instead of the 10 s TTL.
+        let k = t.set_retention("d0", "r1", 2_000, 0).unwrap();
+        assert_eq!(
+            k,
+            RetentionOutcome::Kept {
+                expires_in_ms: 3_000
+            }
+        );
+        assert!(t.check_read("d0", "r1", 1_999).is_ok());
+        assert!(
+            t.check_read("d0", "r1", 2_001).is_err(),
+            "within the margin"
+        );
+        // Renewed at the lease end; capped at max_ttl from now.
+        t.set_retention("d0", "r1", 4_000, 1_500).unwrap();
+        assert!(t.check_read("d0", "r1", 5_000).is_ok());
+        let k = t.set_retention("d0", "r1", 999_999, 2_000).unwrap();
+        assert_eq!(
+            k,
+            RetentionOutcome::Kept {
+                expires_in_ms: 60_000
+            }
+        );
+        // Released: no READ after, the owner engine is told (reason router).
+        match t.set_retention("d0", "r1", 0, 2_500).unwrap() {
+            RetentionOutcome::Released(r) => {
+                assert_eq!((r.reason, r.block_ids), (ReleaseReason::Router, vec![4]));
+            }
+            o => panic!("{o:?}"),
+        }
+        assert!(matches!(
+            t.check_read("d0", "r1", 2_501),
+            Err(LeaseError::Unknown { .. })
+        ));
+        // At least once: a repeated release finds nothing, changes nothing.
+        assert!(matches!(
+            t.set_retention("d0", "r1", 0, 2_600),
+            Err(LeaseError::Unknown { .. })
+        ));
+    }
+
+    #[test]
+    fn release_during_a_read_waits_for_it_and_declines_new_reads() {
+        let mut t = table();
+        t.retain("d0", "r1", vec![1, 2], None, 0).unwrap();
+        // A reader checked and renewed (its READ is in flight until 3 s).
+        t.check_read("d0", "r1", 0).unwrap();
+        t.renew("d0", "r1", 3_000, 0).unwrap();
+        let o = t.set_retention("d0", "r1", 0, 1_000).unwrap();
+        assert_eq!(
+            o,
+            RetentionOutcome::Deferred {
+                reading_for_ms: 2_000
+            }
+        );
+        // Released for everyone else: a new READ (the next turn racing the
+        // release) declines and recomputes; no renewal, no keep.
+        for now in [1_001, 2_500] {
+            assert!(matches!(
+                t.check_read("d0", "r1", now),
+                Err(LeaseError::Released { .. })
+            ));
+        }
+        assert!(matches!(
+            t.renew("d0", "r1", 3_000, 1_100),
+            Err(LeaseError::Released { .. })
+        ));
+        assert!(matches!(
+            t.set_retention("d0", "r1", 5_000, 1_200),
+            Err(LeaseError::Released { .. })
+        ));
+        // The in-flight READ still completes: its notification frees them.
+        let r = t.on_notification("d0", "r1", 1).unwrap();
+        assert_eq!(r.reason, ReleaseReason::Notified);
+        // Without a notification they go at the renewal's end, reason router.
+        t.retain("d0", "r2", vec![7], None, 0).unwrap();
+        t.renew("d0", "r2", 3_000, 0).unwrap();
+        t.set_retention("d0", "r2", 0, 1_000).unwrap();
+        assert!(t.expire(2_999).is_empty());
+        assert_eq!(t.expire(3_000)[0].reason, ReleaseReason::Router);
+    }
+
+    #[test]
+    fn a_new_turn_retained_after_a_release_is_readable() {
+        let mut t = table();
+        t.retain("d0", "r1", vec![1], None, 0).unwrap();
+        t.set_retention("d0", "r1", 0, 100).unwrap();
+        // The next turn's hold is another request id; the old one stays gone.
+        t.retain("d0", "r2", vec![1, 2], None, 200).unwrap();
+        assert!(t.check_read("d0", "r2", 300).is_ok());
+        assert!(t.check_read("d0", "r1", 300).is_err());
     }
 }

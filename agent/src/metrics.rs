@@ -19,6 +19,7 @@
 //! | `kvloop_agent_threshold_tokens` | gauge | `prefill`, `decode` | published recompute threshold |
 //! | `kvloop_agent_threshold_changes` | counter | `prefill`, `decode` | threshold changes |
 //! | `kvloop_agent_pushes` | counter | `router`, `result` | threshold push attempts (`ok`, `error`) |
+//! | `kvloop_agent_retention` | counter | `action`, `outcome` | router retention decisions (`release`, `keep`) applied here or forwarded: `released`, `deferred`, `kept`, `unknown`, `forwarded`, `error` |
 //! | `kvloop_agent_link_up` / `_link_speed_mbps` / `_link_mtu` | gauge | `interface` | rtnetlink link state (speed from sysfs) |
 //! | `kvloop_agent_link_rx_bytes` / `_link_tx_bytes` / `_link_rx_errors` / `_link_tx_errors` | gauge | `interface` | link counters |
 //! | `kvloop_agent_rdma_counter` | gauge | `device`, `port`, `counter` | `/sys/class/infiniband` port counters (EFA/RDMA) |
@@ -79,6 +80,8 @@ pub struct Metrics {
     pub threshold_changes: Family<Labels, Counter>,
     /// Push attempts.
     pub pushes: Family<Labels, Counter>,
+    /// Router retention decisions by action and outcome.
+    pub retention: Family<Labels, Counter>,
     /// Link up.
     pub link_up: Family<Labels, Gauge>,
     /// Link speed.
@@ -181,6 +184,11 @@ impl Metrics {
             "pushes",
             "Threshold push attempts per router",
             self.pushes.clone(),
+        );
+        r.register(
+            "retention",
+            "Router retention decisions (release, keep) by outcome",
+            self.retention.clone(),
         );
         r.register(
             "link_up",

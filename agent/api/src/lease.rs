@@ -27,6 +27,10 @@ pub enum ReleaseReason {
     Expired,
     /// The owner released them.
     Owner,
+    /// The router released them: nobody will pull that turn (it was
+    /// replaced, recomputed, evicted, expired at the router, its
+    /// conversation ended, or its retention no longer pays; issue 15).
+    Router,
 }
 
 /// A release, to tell the owner engine.

@@ -54,6 +54,55 @@ pub struct RenewRequest {
     pub lease_ms: u64,
 }
 
+/// Path of the retention API on every agent.
+pub const RETENTION_PATH: &str = "/v1/leases/retention";
+
+/// Body of `POST /v1/leases/retention`: a router's retention decision for a
+/// decode engine's hold of a finished turn (issue 15). `keep_ms` 0 releases
+/// it (nobody will pull that turn); above 0 it keeps it that long (a READ
+/// may start until then). Sent to any agent: one that does not host
+/// `engine_id` forwards it once to the peer that does. Idempotent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionRequest {
+    /// [`API_VERSION`] of the caller.
+    pub version: u32,
+    /// Owner engine id (D).
+    pub engine_id: String,
+    /// D's request id (`remote_request_id` of D's params).
+    pub request_id: String,
+    /// Keep this long, ms; 0 releases.
+    pub keep_ms: u64,
+    /// Set by an agent forwarding it to the owner's agent (never forwarded
+    /// again).
+    #[serde(default)]
+    pub forwarded: bool,
+}
+
+/// Answer of `POST /v1/leases/retention`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum RetentionAnswer {
+    /// Released now.
+    Released {
+        /// Blocks freed.
+        blocks: u64,
+    },
+    /// A READ in flight holds them; released when it ends, and no new READ
+    /// starts.
+    Deferred {
+        /// How long that READ's renewal still holds them, ms.
+        reading_for_ms: u64,
+    },
+    /// Kept.
+    Kept {
+        /// Time left, ms.
+        expires_in_ms: u64,
+    },
+    /// Not held (released, expired, never retained here): nothing to do.
+    Unknown,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,5 +133,16 @@ mod tests {
         };
         let back: EnginesInfo = serde_json::from_str(&serde_json::to_string(&i).unwrap()).unwrap();
         assert_eq!(back, i);
+    }
+
+    #[test]
+    fn retention_answer_is_tagged_by_outcome() {
+        let a = RetentionAnswer::Deferred { reading_for_ms: 7 };
+        let s = serde_json::to_string(&a).unwrap();
+        assert_eq!(s, r#"{"outcome":"deferred","reading_for_ms":7}"#);
+        let r: RetentionRequest =
+            serde_json::from_str(r#"{"version":1,"engine_id":"d0","request_id":"r","keep_ms":0}"#)
+                .unwrap();
+        assert!(!r.forwarded);
     }
 }

@@ -1,6 +1,8 @@
 //! Leases of the blocks hosted engines retain: retain, renew (local and for
 //! remote readers), release and expiry.
 use super::*;
+use crate::lease::RetentionOutcome;
+use kvloop_agent_api::peer::{RETENTION_PATH, RetentionAnswer, RetentionRequest};
 
 impl Agent {
     /// Retains blocks of a hosted engine.
@@ -127,6 +129,141 @@ impl Agent {
         let r = r.map_err(lease_err)?;
         self.push_event(engine_id, EngineEvent::Released(r));
         Ok(())
+    }
+
+    /// A router's retention decision ([`RetentionRequest`]): applied here
+    /// when this agent hosts `engine_id`, else forwarded once to the peer
+    /// agent that does (with the caller's `bearer`). A hold that is not
+    /// there answers [`RetentionAnswer::Unknown`] (releases are sent at
+    /// least once: a repeat finds nothing).
+    ///
+    /// # Errors
+    /// `unknown_engine` when no known agent hosts it; `lease` when asked to
+    /// keep a hold the router released; a forward that failed.
+    pub async fn retention(
+        &self,
+        r: &RetentionRequest,
+        bearer: Option<&str>,
+    ) -> Result<RetentionAnswer, ApiError> {
+        let action = if r.keep_ms == 0 { "release" } else { "keep" };
+        let count = |outcome: &str| {
+            self.metrics
+                .retention
+                .get_or_create(&labels(&[("action", action), ("outcome", outcome)]))
+                .inc();
+        };
+        if self.engines.read().contains_key(&r.engine_id) {
+            let now = self.now_ms();
+            let out = self
+                .leases
+                .lock()
+                .set_retention(&r.engine_id, &r.request_id, r.keep_ms, now);
+            self.update_lease_gauge();
+            let answer = match out {
+                Ok(RetentionOutcome::Released(rel)) => {
+                    let blocks = rel.block_ids.len() as u64;
+                    tracing::debug!(engine_id = %r.engine_id, request_id = %r.request_id, blocks, "released by the router");
+                    self.push_event(&r.engine_id, EngineEvent::Released(rel));
+                    RetentionAnswer::Released { blocks }
+                }
+                Ok(RetentionOutcome::Deferred { reading_for_ms }) => {
+                    RetentionAnswer::Deferred { reading_for_ms }
+                }
+                Ok(RetentionOutcome::Kept { expires_in_ms }) => {
+                    self.lease_changed.notify_one();
+                    RetentionAnswer::Kept { expires_in_ms }
+                }
+                Err(LeaseError::Unknown { .. }) => RetentionAnswer::Unknown,
+                Err(e) => {
+                    count("error");
+                    return Err(lease_err(e));
+                }
+            };
+            count(match &answer {
+                RetentionAnswer::Released { .. } => "released",
+                RetentionAnswer::Deferred { .. } => "deferred",
+                RetentionAnswer::Kept { .. } => "kept",
+                RetentionAnswer::Unknown => "unknown",
+            });
+            return Ok(answer);
+        }
+        if r.forwarded {
+            count("error");
+            return Err(ApiError::new(
+                ErrorKind::UnknownEngine,
+                format!(
+                    "engine_id `{}`: not hosted here (a forwarded decision is not forwarded again)",
+                    r.engine_id
+                ),
+            ));
+        }
+        let peer = match self.peer_of_engine(&r.engine_id) {
+            Some(p) => Some(p),
+            None => {
+                self.refresh_peers().await;
+                self.peer_of_engine(&r.engine_id)
+            }
+        };
+        let Some(http) = peer.as_deref().and_then(|p| self.peer_http(p)) else {
+            count("error");
+            return Err(ApiError::new(
+                ErrorKind::UnknownEngine,
+                format!(
+                    "engine_id `{}`: no known agent hosts it (peers[] of the config)",
+                    r.engine_id
+                ),
+            ));
+        };
+        let url = format!("http://{http}{RETENTION_PATH}");
+        let mut body = r.clone();
+        body.forwarded = true;
+        let mut req = self.http.post(&url).json(&body);
+        if let Some(b) = bearer {
+            req = req.bearer_auth(b);
+        }
+        let resp = req.send().await.map_err(|e| {
+            count("error");
+            ApiError::new(ErrorKind::Lease, format!("retention at {url}: {e}"))
+                .with_origin(ErrorOrigin::Peer)
+        })?;
+        let status = resp.status();
+        if status.is_success() {
+            count("forwarded");
+            resp.json::<RetentionAnswer>().await.map_err(|e| {
+                ApiError::new(
+                    ErrorKind::Lease,
+                    format!("retention at {url}: bad answer: {e}"),
+                )
+            })
+        } else {
+            count("error");
+            let mut e: ApiError = resp.json().await.unwrap_or_else(|_| {
+                ApiError::new(
+                    ErrorKind::Lease,
+                    format!("retention at {url}: HTTP {status}"),
+                )
+            });
+            e.origin.get_or_insert(ErrorOrigin::Peer);
+            Err(e)
+        }
+    }
+
+    /// Whether `bearer` may send retention decisions: any token when no
+    /// `routers[].token` is configured (an agent that pushes to no router:
+    /// the node network is trusted, as for lease renewals), else one of
+    /// them (the routers' `admin_token`; constant-time comparison).
+    pub fn retention_authorized(&self, bearer: Option<&str>) -> bool {
+        let tokens: Vec<&str> = self
+            .cfg
+            .routers
+            .iter()
+            .filter_map(|r| r.token.as_deref())
+            .collect();
+        let same = |t: &str, b: &str| {
+            let (a, b) = (t.as_bytes(), b.as_bytes());
+            a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        };
+        tokens.is_empty() || bearer.is_some_and(|b| tokens.iter().any(|t| same(t, b)))
     }
 
     /// Expires lapsed leases and tells their owners (called by the lease
