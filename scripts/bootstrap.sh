@@ -10,7 +10,7 @@
 #         on EFA nodes), libclang for bindgen, iproute2 for network namespaces,
 #         LLVM 22 for bpf-linker, libcap2-bin for capsh; redis-server (the
 #         router's shared-store tests start their own), faketime (the clock-offset
-#         READ test), tmux (the `kvloop top` terminal test).
+#         READ test), tmux (the `kvloop top` terminal test), curl (the held-demo test).
 #   nixl  NIXL runtime libraries from the PyPI wheel nixl-cu12==1.5.1 into
 #         $KVLOOP_NIXL_DIR (default ~/.cache/kvloop/nixl-cu12-1.5.1). The wheel
 #         carries libnixl_capi.so and the UCX/LIBFABRIC plugins, no headers, so
@@ -31,7 +31,7 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 
-APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config iproute2 llvm-22-dev libcap2-bin unzip python3-pip prometheus redis-server faketime tmux)
+APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config iproute2 llvm-22-dev libcap2-bin unzip python3-pip prometheus redis-server faketime tmux curl)
 NIXL_VERSION=1.5.1
 NIXL_DIR="${KVLOOP_NIXL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvloop/nixl-cu12-$NIXL_VERSION}"
 BPF_LINKER_VERSION=0.13.0

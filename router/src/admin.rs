@@ -135,7 +135,7 @@ pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
+pub(crate) fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
     if s.cfg.admin_token.is_empty() {
         return false;
     }
@@ -153,7 +153,7 @@ fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn unauthorized() -> Response {
+pub(crate) fn unauthorized() -> Response {
     error_response(
         StatusCode::UNAUTHORIZED,
         "invalid_request_error",
@@ -198,6 +198,15 @@ pub async fn put_thresholds(
     match r {
         Ok(ApplyOutcome::Applied(n)) => {
             count("applied");
+            if let Some(url) = u.agent_url.as_deref()
+                && (url.starts_with("http://") || url.starts_with("https://"))
+            {
+                // Where retention decisions about these decode engines go.
+                s.retention.lock().learn(
+                    url.trim_end_matches('/'),
+                    u.pairs.iter().map(|p| p.decode_engine_id.as_str()),
+                );
+            }
             debug!(agent = %u.agent_id, seq = u.seq, pairs = n, "thresholds applied");
             StatusCode::NO_CONTENT.into_response()
         }

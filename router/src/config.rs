@@ -150,6 +150,13 @@ pub struct RouterConfig {
     /// (`vllm:num_requests_waiting` + `running`) under `predicted_ttft`,
     /// ms; 0: off (each replica counts only its own requests) [250].
     pub load_interval_ms: u64,
+    /// Decode-side retention (`[retention]`, issue 15): `mode` (`fixed`:
+    /// vLLM's fixed TTL, the router tells D nothing; `early_release`: D is
+    /// told to release every stored turn nobody will pull; `adaptive`:
+    /// also each hold's lease from the measured inter-turn gaps, renewed
+    /// while it pays) and its bounds; see `kvloop_retention::RetentionConfig`
+    /// and docs/operator-guide.md, "Decode-side retention" [adaptive].
+    pub retention: kvloop_retention::RetentionConfig,
     /// Registered engines [none].
     pub engines: Vec<EngineConfig>,
 }
@@ -183,6 +190,7 @@ impl Default for RouterConfig {
             policy: Policy::RoundRobin,
             route_header: false,
             load_interval_ms: 250,
+            retention: kvloop_retention::RetentionConfig::default(),
             engines: Vec::new(),
         }
     }
@@ -194,6 +202,9 @@ pub enum ConfigError {
     /// TOML syntax or an unknown/mistyped field (the message names it).
     #[error("config: {0}")]
     Toml(#[from] toml::de::Error),
+    /// A `[retention]` bound is invalid (the message names it).
+    #[error("config: {0}")]
+    Retention(String),
     /// A field has an invalid value.
     #[error("config: {field}: {message}")]
     Invalid {
@@ -220,6 +231,7 @@ impl RouterConfig {
     /// # Errors
     /// [`ConfigError::Invalid`] naming the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.retention.validate().map_err(ConfigError::Retention)?;
         if self.ttl_safety_margin_ms >= self.decoder_kv_blocks_ttl_ms {
             return Err(ConfigError::Invalid {
                 field: "ttl_safety_margin_ms",

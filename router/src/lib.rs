@@ -32,6 +32,8 @@ pub mod reason;
 pub mod registry;
 pub mod relay;
 pub mod request;
+pub mod retention;
+pub mod retention_task;
 pub mod select;
 pub mod server;
 pub mod sse;

@@ -124,6 +124,26 @@ pub struct Metrics {
     /// `kvloop_router_selection_margin_seconds`: predicted TTFT of the
     /// runner-up option minus the chosen one's (`predicted_ttft`).
     pub selection_margin_seconds: Histogram,
+    /// `kvloop_router_retention_total{action,cause,result}`: retention
+    /// decisions about D's holds (`release`/`keep`; `cause` of
+    /// [`crate::retention::Cause`]; `result`: the agent's `released`,
+    /// `deferred`, `kept`, `unknown`, or `unmanaged` (no agent known:
+    /// counted only), `error`, `dropped` (queue full)).
+    pub retention: Family<RetentionLabels, Counter>,
+    /// `kvloop_router_retention_followed`: holds whose lease the router
+    /// follows (adaptive mode).
+    pub retention_followed: Gauge,
+}
+
+/// Labels of `kvloop_router_retention_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetentionLabels {
+    /// `release` or `keep`.
+    pub action: &'static str,
+    /// Why.
+    pub cause: &'static str,
+    /// What came of it.
+    pub result: &'static str,
 }
 
 /// `op` of a store error.
@@ -272,8 +292,22 @@ impl Metrics {
             "Predicted TTFT of the runner-up option minus the chosen one's",
             selection_margin_seconds.clone(),
         );
+        let retention = Family::<RetentionLabels, Counter>::default();
+        registry.register(
+            "retention",
+            "Retention decisions about decode engines' holds, by action, cause and result",
+            retention.clone(),
+        );
+        let retention_followed = Gauge::default();
+        registry.register(
+            "retention_followed",
+            "Holds whose lease the router follows (adaptive retention)",
+            retention_followed.clone(),
+        );
         Self {
             registry,
+            retention,
+            retention_followed,
             selections,
             selection_margin_seconds,
             store_up,

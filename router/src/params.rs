@@ -122,6 +122,30 @@ impl CompactParams {
         self.runs.len() * 4 + self.rest.len()
     }
 
+    /// `remote_request_id` of D's params: the request id under which D
+    /// (its agent, in managed mode) holds the blocks. `None` when absent or
+    /// not a string.
+    pub fn remote_request_id(&self) -> Option<String> {
+        let m = RawObject::parse(&self.rest).ok()?;
+        serde_json::from_str::<String>(m.get("remote_request_id")?.get()).ok()
+    }
+
+    /// Block ids held per group (every group holds the same blocks of its
+    /// layer group; the first one's count), from the runs.
+    pub fn block_count(&self) -> u64 {
+        let Some((&n_groups, tail)) = self.runs.split_first() else {
+            return 0;
+        };
+        if n_groups == 0 {
+            return 0;
+        }
+        let Some((&n, r)) = tail.split_first() else {
+            return 0;
+        };
+        r.get(..2 * n as usize)
+            .map_or(0, |p| p.chunks(2).map(|c| u64::from(c[1])).sum())
+    }
+
     /// True when `runs` follows the layout above, expands to at most `max_ids`
     /// block ids, and `rest` is a JSON object: checked on values read back
     /// from a shared store, which [`CompactParams::expand_json`] would otherwise
@@ -226,6 +250,13 @@ mod tests {
         assert!(out.contains(r#""x":[1.50,1e3]"#), "{out}");
         let to_d = p.to_request_json("h", false, true).get().to_string();
         assert!(to_d.contains("1214.2449693849999"), "{to_d}");
+    }
+
+    #[test]
+    fn request_id_and_block_count_of_stored_params() {
+        let p = KvParams::parse(&d_params()).unwrap().compact();
+        assert_eq!(p.remote_request_id().as_deref(), Some("r1"));
+        assert_eq!(p.block_count(), 5);
     }
 
     fn d_params() -> Value {

@@ -151,6 +151,7 @@ impl StoreCtx {
                 fingerprint: fp,
                 expires_at_ms: 0,
             },
+            self.prefill_engine,
         )
         .await;
     }

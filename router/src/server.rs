@@ -43,6 +43,10 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/metrics", get(crate::admin::metrics))
         .route("/admin/routes", get(crate::admin::get_routes))
         .route(
+            "/v1/conversations/{id}",
+            axum::routing::delete(crate::retention_task::delete_conversation),
+        )
+        .route(
             THRESHOLDS_PATH,
             put(crate::admin::put_thresholds).get(crate::admin::get_thresholds),
         )
@@ -54,6 +58,7 @@ pub fn app(state: Arc<AppState>) -> Router {
 /// they end when the state is dropped.
 pub fn spawn_background(state: &Arc<AppState>) {
     crate::load_poll::spawn(state);
+    crate::retention_task::spawn(state);
     let weak = Arc::downgrade(state);
     let period = Duration::from_millis(state.cfg.health_interval_ms.max(10));
     tokio::spawn(async move {
@@ -155,6 +160,14 @@ async fn route_inner(
         Some(k) => s.take_turn(k, now).await,
         None => Lookup::Missing,
     };
+    // A taken turn that this request does not pull is released below.
+    let taken = match (&key, &lookup) {
+        (Some(k), Lookup::Found(t)) => {
+            s.retention_taken(k, now);
+            Some(t.clone())
+        }
+        _ => None,
+    };
     // The P whose `/tokenize` counted the prompt (also counts the reply).
     let tokenize_idx = p_idx;
     let mut p_idx = p_idx;
@@ -220,6 +233,16 @@ async fn route_inner(
             (d, record, None)
         }
     };
+    if let (Some(k), Some(t)) = (&key, &taken)
+        && decision.attach.is_none()
+    {
+        let cause = if decision.reason == crate::reason::Reason::PrefixMismatch {
+            crate::retention::Cause::PrefixMismatch
+        } else {
+            crate::retention::Cause::Recomputed
+        };
+        s.release_turn(k, t, cause);
+    }
     let route_line = record.line();
     debug!(%request_id, route = %route_line, "route");
     s.record_route(record);

@@ -21,6 +21,7 @@ use crate::config::{PrefixCheckMode, RouterConfig};
 use crate::explain::{RecentRoutes, RouteRecord};
 use crate::metrics::{EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, SelectionLabels};
 use crate::registry::{Registry, Role};
+use crate::retention::{Job, Retention};
 use crate::select::load::LoadBook;
 use crate::store::{ConvKey, Lookup, Store, StoredTurn};
 use crate::thresholds::ThresholdTable;
@@ -58,6 +59,11 @@ pub struct AppState {
     models: RwLock<HashSet<String>>,
     /// The last routed turns (`GET /admin/routes`).
     pub(crate) routes: Mutex<RecentRoutes>,
+    /// Decode-side retention: agents, followed holds, gaps (issue 15).
+    pub(crate) retention: Mutex<Retention>,
+    /// Where retention decisions go to be sent (set by
+    /// [`crate::retention_task::spawn`]; unset: counted as dropped).
+    pub(crate) retention_jobs: std::sync::OnceLock<tokio::sync::mpsc::Sender<Job>>,
 }
 
 /// Errors building the router.
@@ -141,6 +147,8 @@ impl AppState {
             missing_params: Mutex::new(MissingParams::default()),
             models: RwLock::new(HashSet::new()),
             routes: Mutex::new(RecentRoutes::default()),
+            retention: Mutex::new(Retention::new(cfg.retention)),
+            retention_jobs: std::sync::OnceLock::new(),
             registry,
             cfg,
         };
@@ -224,9 +232,10 @@ impl AppState {
     /// turn there. Bounded by `store_timeout_ms`; a failure is counted and
     /// the next turn recomputes. The store counts its evictions and updates
     /// `store_entries` itself.
-    pub(crate) async fn store_turn(&self, key: ConvKey, turn: StoredTurn) {
+    pub(crate) async fn store_turn(&self, key: ConvKey, turn: StoredTurn, prefill_engine: u16) {
         let now = self.now_ms();
         let h = key_hash(&key);
+        self.retention_stored(&key, &turn, prefill_engine, now);
         self.store.insert_or_count(key, turn, now).await;
         self.expiries
             .lock()

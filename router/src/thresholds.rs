@@ -230,6 +230,7 @@ mod tests {
 
     fn push(agent: &str, seq: u64, thr: u64, valid_for_ms: u64) -> ThresholdUpdate {
         ThresholdUpdate {
+            agent_url: None,
             agent_id: agent.into(),
             seq,
             pairs: vec![PairThreshold {

@@ -381,6 +381,7 @@ async fn pushed_threshold_applies_until_it_lapses() {
     let c = Cluster::start(Opts::default()).await;
     let url = format!("{}{}", c.router.url(), kvloop_router_api::THRESHOLDS_PATH);
     let push = |seq, thr| ThresholdUpdate {
+        agent_url: None,
         agent_id: "node-a".into(),
         seq,
         pairs: vec![PairThreshold {

@@ -35,6 +35,7 @@ async fn predicted_ttft_pulls_over_the_fast_path() {
     .await;
     let url = format!("{}{}", c.router.url(), kvloop_router_api::THRESHOLDS_PATH);
     let push = ThresholdUpdate {
+        agent_url: None,
         agent_id: "node-a".into(),
         seq: 1,
         // D → p0 slow (0.1 ms per token), D → p1 fast.

@@ -3,9 +3,10 @@
 //! after a short run; `kvloop doctor`, `kvloop ping` and `kvloop top` then
 //! run inside node A's namespace as `hold.json` lists them. Each is checked
 //! healthy, then with a failure injected (a wrong router token in a copy of
-//! agent A's configuration, a peer address where no agent listens). SIGTERM
-//! ends the hold: the demo exits 0 and removes its namespaces. No timing
-//! assertions.
+//! agent A's configuration, a peer address where no agent listens). Then
+//! decode-side retention (issue 15): `DELETE /v1/conversations/{id}` on the
+//! held router releases D's hold through both agents. SIGTERM ends the
+//! hold: the demo exits 0 and removes its namespaces. No timing assertions.
 use std::time::Duration;
 
 use kvloop_tests::held::*;
@@ -17,6 +18,7 @@ fn doctor_ping_and_top_against_a_held_demo() {
     let name = "doctor_ping_and_top_against_a_held_demo";
     require_root(name);
     require_tool(name, "timeout", "coreutils");
+    require_tool(name, "curl", "curl");
     bin("kvloop-engine-sim");
     bin("kvloop-router");
     bin("kvloop-agent");
@@ -121,6 +123,68 @@ fn doctor_ping_and_top_against_a_held_demo() {
     // top, injected: an agent that is not there is listed, exit status 1.
     let o = tool_in(&ns_a, &["top", "--once", "--json", &agent_a, "127.0.0.1:9"]);
     assert_eq!(o.status.code(), Some(1));
+
+    // Decode-side retention (issue 15): the conversation's last turn is
+    // stored and D holds its blocks; DELETE ends the conversation, the
+    // router tells agent A, which forwards to agent B (D's node), which
+    // releases the hold. Once: a second DELETE finds nothing.
+    let conv = format!("{router}/v1/conversations/agentic-p2048-c0@adaptive");
+    let delete = || {
+        let o = std::process::Command::new("timeout")
+            .args([
+                "20",
+                "ip",
+                "netns",
+                "exec",
+                &ns_a,
+                "curl",
+                "-s",
+                "-o",
+                "/dev/null",
+            ])
+            .args(["-w", "%{http_code}", "-X", "DELETE"])
+            .args(["-H", "Authorization: Bearer kvloop-demo", &conv])
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    assert_eq!(delete(), "204", "the last turn was stored");
+    assert_eq!(delete(), "404", "nothing stored any more");
+    let metric = |addr: &str, needle: &str| -> f64 {
+        let o = std::process::Command::new("timeout")
+            .args(["20", "ip", "netns", "exec", &ns_a, "curl", "-s"])
+            .arg(format!("{}/metrics", addr))
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.contains(needle))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let released = loop {
+        let n = metric(
+            &format!("http://{agent_b}"),
+            r#"kvloop_agent_retention_total{action="release",outcome="released"}"#,
+        );
+        if n >= 1.0 || std::time::Instant::now() > end {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(released >= 1.0, "agent B released no hold");
+    let routed = metric(
+        &router,
+        r#"kvloop_router_retention_total{action="release",cause="ended",result="released"}"#,
+    );
+    assert_eq!(routed, 1.0, "the router counted the release it sent");
+    // Every stored turn got a first lease, applied by D's agent.
+    let kept = metric(
+        &router,
+        r#"kvloop_router_retention_total{action="keep",cause="first_lease",result="kept"}"#,
+    );
+    assert!(kept >= 1.0, "no first lease applied");
 
     // SIGTERM ends the hold cleanly.
     let status = demo.stop();

@@ -136,6 +136,10 @@ impl Agent {
             agent_id: self.cfg.agent_id.clone(),
             seq: self.push_seq.fetch_add(1, Ordering::Relaxed),
             pairs,
+            agent_url: Some(format!(
+                "http://{}",
+                SocketAddr::new(self.cfg.node_addr, self.cfg.http_listen.port())
+            )),
         }
     }
 

@@ -48,6 +48,13 @@ pub struct ThresholdUpdate {
     pub seq: u64,
     /// The pairs, at most one entry per (prefill, decode) engine pair.
     pub pairs: Vec<PairThreshold>,
+    /// The pushing agent's HTTP base URL (`http://<node_addr>:<port>`): the
+    /// router sends its retention decisions for these pairs' decode
+    /// engines there (`POST /v1/leases/retention`; the agent forwards them
+    /// to the agent hosting the engine). Absent from agents before issue
+    /// 15: the router then only counts what it would release.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_url: Option<String>,
 }
 
 /// The recompute decision inputs for one (prefill engine, decode engine) pair.
@@ -110,6 +117,7 @@ mod tests {
                 valid_for_ms: 15_000,
                 model: None,
             }],
+            agent_url: Some("http://10.0.0.7:9470".into()),
         };
         let s = serde_json::to_string(&u).unwrap();
         assert_eq!(serde_json::from_str::<ThresholdUpdate>(&s).unwrap(), u);

@@ -42,7 +42,7 @@ pub struct RetentionConfig {
     /// then a hold is kept for `max_hold_ms` (and renewals are not asked).
     pub min_gap_samples: u64,
     /// TTFT milliseconds that one block held for one second costs when D's
-    /// KV cache is half full [0.002]. The cost scales with
+    /// KV cache is half full [0.0005]. The cost scales with
     /// `usage / (1 − usage)`: free at an empty cache, 1× at 50 %, 9× at
     /// 90 %. It stands for the batch slots the held blocks take from new
     /// requests; tune it with the retention bench
@@ -50,6 +50,12 @@ pub struct RetentionConfig {
     pub block_second_cost_ms: f64,
     /// D's KV usage assumed when the engine reports none (0..1) [0.5].
     pub default_kv_usage: f64,
+    /// Recompute cost per token on P, ms, used for the TTFT a hold saves
+    /// when the pair has no pushed cost model [0.032: Qwen3-32B on H200
+    /// recomputes 24,000 tokens in about 758 ms past its fixed cost, the
+    /// published OFF TTFT behind `kvloop-engine-sim`'s `qwen3-32b-h200`
+    /// profile (tools/engine-sim/src/profile.rs)].
+    pub prefill_ms_per_token: f64,
 }
 
 impl Default for RetentionConfig {
@@ -63,6 +69,7 @@ impl Default for RetentionConfig {
             min_gap_samples: 20,
             block_second_cost_ms: 0.0005,
             default_kv_usage: 0.5,
+            prefill_ms_per_token: 0.032,
         }
     }
 }
@@ -98,6 +105,12 @@ impl RetentionConfig {
             return Err(format!(
                 "retention.block_second_cost_ms: expected ≥ 0, got {}",
                 self.block_second_cost_ms
+            ));
+        }
+        if !(self.prefill_ms_per_token >= 0.0 && self.prefill_ms_per_token.is_finite()) {
+            return Err(format!(
+                "retention.prefill_ms_per_token: expected ≥ 0, got {}",
+                self.prefill_ms_per_token
             ));
         }
         if !(0.0..1.0).contains(&self.default_kv_usage) {

@@ -192,6 +192,7 @@ mod tests {
         let mut t = ThresholdTable::new(64);
         t.apply(
             &ThresholdUpdate {
+                agent_url: None,
                 agent_id: "a".into(),
                 seq: 1,
                 pairs: vec![pair("p0", xfer_p0), pair("p1", xfer_p1)],

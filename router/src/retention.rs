@@ -1,0 +1,362 @@
+//! Decode-side retention at the router (issue 15): which agent to tell, and
+//! the book of D's holds of stored turns. No I/O: the shell
+//! ([`crate::retention_task`]) sends what this decides, at the times it
+//! asks, on the router's clock (ms).
+//!
+//! - **Early release**: a stored turn that leaves the store without a pull
+//!   (replaced by the next turn, evicted, expired, recomputed, prefix
+//!   mismatch, the conversation deleted) is a hold nobody will READ: its
+//!   agent is told to release it ([`Job`] with `keep_ms` 0).
+//! - **Adaptive**: a stored turn's hold gets a first lease from the
+//!   tenant's (or the conversation's) inter-turn gaps, and at its end is
+//!   renewed while it pays (`kvloop_retention::RetentionPolicy`); a hold
+//!   not renewed is released and its turn leaves the store.
+//!
+//! Where to send: the agents that push thresholds say where they are
+//! (`ThresholdUpdate::agent_url`); a decision for a decode engine goes to
+//! the agent that pushed a pair with it, which forwards it to the agent
+//! hosting the engine. With no agent known (stock vLLM, observe mode) a
+//! decision is only counted (`result="unmanaged"`).
+use std::collections::HashMap;
+
+use kvloop_retention::{GapBook, HoldFacts, RetentionConfig, RetentionMode, RetentionPolicy};
+use lru::LruCache;
+
+use crate::store::{ConvKey, StoredTurn};
+
+/// Why the router decided about a hold (the `cause` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// Replaced by a newer turn of the conversation.
+    Replaced,
+    /// Evicted by the store's capacity bound.
+    Lru,
+    /// The router's store TTL passed.
+    Expired,
+    /// Taken, but the next turn recomputed (below threshold, or the
+    /// selection chose to recompute).
+    Recomputed,
+    /// Taken, but the next turn's prompt does not extend it.
+    PrefixMismatch,
+    /// `DELETE /v1/conversations/{id}`.
+    Ended,
+    /// Its lease ended and renewing does not pay (or the cap was reached).
+    NotRenewed,
+    /// A first lease (keep).
+    FirstLease,
+    /// A renewal (keep).
+    Renewed,
+}
+
+impl Cause {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Replaced => "replaced",
+            Self::Lru => "lru",
+            Self::Expired => "expired",
+            Self::Recomputed => "recomputed",
+            Self::PrefixMismatch => "prefix_mismatch",
+            Self::Ended => "ended",
+            Self::NotRenewed => "not_renewed",
+            Self::FirstLease => "first_lease",
+            Self::Renewed => "renewed",
+        }
+    }
+}
+
+/// One decision to send: keep D's hold of `request_id` for `keep_ms`
+/// (0: release it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Job {
+    /// The agent to send it to (base URL); `None`: no agent known, counted
+    /// only.
+    pub agent_url: Option<String>,
+    /// D.
+    pub decode_engine_id: String,
+    /// D's request id of the hold.
+    pub request_id: String,
+    /// Keep this long, ms; 0 releases.
+    pub keep_ms: u64,
+    /// Why.
+    pub cause: Cause,
+}
+
+/// A hold the book follows (adaptive mode).
+#[derive(Clone, Debug)]
+struct Held {
+    decode_engine_id: String,
+    request_id: String,
+    blocks: u64,
+    saved_ms: f64,
+    stored_at_ms: u64,
+    due_ms: u64,
+    conversation_gap_ms: Option<u64>,
+}
+
+/// Most holds followed, and most conversations whose last gap is kept.
+pub const MAX_FOLLOWED: usize = 65_536;
+
+/// The router's retention state.
+pub struct Retention {
+    policy: RetentionPolicy,
+    /// Decode engine id → agent base URL (learned from pushes).
+    agents: HashMap<String, String>,
+    gaps: GapBook,
+    held: HashMap<ConvKey, Held>,
+    last_gap_ms: LruCache<ConvKey, u64>,
+}
+
+impl Retention {
+    /// State for `cfg` (validated by the router's config).
+    pub fn new(cfg: RetentionConfig) -> Self {
+        Self {
+            policy: RetentionPolicy::new(cfg),
+            agents: HashMap::new(),
+            gaps: GapBook::default(),
+            held: HashMap::new(),
+            last_gap_ms: LruCache::new(std::num::NonZeroUsize::new(MAX_FOLLOWED).expect("> 0")),
+        }
+    }
+
+    /// The policy's configuration.
+    pub fn config(&self) -> &RetentionConfig {
+        self.policy.config()
+    }
+
+    /// An agent at `agent_url` pushed pairs with these decode engines.
+    pub fn learn<'a>(&mut self, agent_url: &str, decode_engine_ids: impl Iterator<Item = &'a str>) {
+        for d in decode_engine_ids {
+            if self.agents.get(d).map(String::as_str) != Some(agent_url) {
+                self.agents.insert(d.to_string(), agent_url.to_string());
+            }
+        }
+    }
+
+    /// The agent to tell about `decode_engine_id`'s holds.
+    pub fn agent_of(&self, decode_engine_id: &str) -> Option<&str> {
+        self.agents.get(decode_engine_id).map(String::as_str)
+    }
+
+    /// Holds followed now.
+    pub fn followed(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The release of `turn`'s hold (held by `decode_engine_id`) for
+    /// `cause`; `None` in fixed mode or without a request id. Stops
+    /// following its conversation.
+    pub fn release(
+        &mut self,
+        key: &ConvKey,
+        decode_engine_id: &str,
+        turn: &StoredTurn,
+        cause: Cause,
+    ) -> Option<Job> {
+        self.held.remove(key);
+        if !self.policy.releases_early() {
+            return None;
+        }
+        Some(Job {
+            agent_url: self.agent_of(decode_engine_id).map(str::to_string),
+            decode_engine_id: decode_engine_id.to_string(),
+            request_id: turn.params.remote_request_id()?,
+            keep_ms: 0,
+            cause,
+        })
+    }
+
+    /// The next turn of `key` took its stored turn at `now_ms`: the gap is
+    /// observed (tenant and conversation), and the hold is no longer
+    /// followed (the take decides about it).
+    pub fn taken(&mut self, key: &ConvKey, now_ms: u64) {
+        if let Some(h) = self.held.remove(key) {
+            let gap = now_ms.saturating_sub(h.stored_at_ms);
+            self.gaps.record_gap(key.tenant(), gap);
+            self.last_gap_ms.put(key.clone(), gap);
+        }
+    }
+
+    /// A turn of `key` was stored at `now_ms`, held by `decode_engine_id`;
+    /// `saved_ms` is the TTFT its reuse would save. In adaptive mode with a
+    /// known agent: its first lease to send, and the hold is followed until
+    /// its due time.
+    pub fn stored(
+        &mut self,
+        key: &ConvKey,
+        decode_engine_id: &str,
+        turn: &StoredTurn,
+        saved_ms: f64,
+        now_ms: u64,
+    ) -> Option<Job> {
+        if self.policy.config().mode != RetentionMode::Adaptive {
+            return None;
+        }
+        let agent_url = self.agent_of(decode_engine_id)?.to_string();
+        let request_id = turn.params.remote_request_id()?;
+        let conversation_gap_ms = self.last_gap_ms.get(key).copied();
+        let blocks = turn.params.block_count();
+        let facts = HoldFacts {
+            elapsed_ms: 0,
+            blocks,
+            saved_ms,
+            kv_usage: None,
+            conversation_gap_ms,
+        };
+        let v = self.policy.first_lease(self.gaps.get(key.tenant()), &facts);
+        if self.held.len() >= MAX_FOLLOWED && !self.held.contains_key(key) {
+            // Too many followed: this one keeps D's own TTL.
+            return None;
+        }
+        self.held.insert(
+            key.clone(),
+            Held {
+                decode_engine_id: decode_engine_id.to_string(),
+                request_id: request_id.clone(),
+                blocks,
+                saved_ms,
+                stored_at_ms: now_ms,
+                due_ms: now_ms.saturating_add(v.keep_ms),
+                conversation_gap_ms,
+            },
+        );
+        Some(Job {
+            agent_url: Some(agent_url),
+            decode_engine_id: decode_engine_id.to_string(),
+            request_id,
+            keep_ms: v.keep_ms,
+            cause: Cause::FirstLease,
+        })
+    }
+
+    /// Holds whose lease ended by `now_ms`, at D's KV usage `kv_usage` (of
+    /// each decode engine, when reported): a renewal to send (keep), or a
+    /// release, with the key whose stored turn must leave the store.
+    pub fn due(
+        &mut self,
+        now_ms: u64,
+        kv_usage: impl Fn(&str) -> Option<f64>,
+    ) -> Vec<(ConvKey, Job)> {
+        let keys: Vec<ConvKey> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.due_ms <= now_ms)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut out = Vec::new();
+        for key in keys {
+            let h = self.held.get(&key).expect("listed").clone();
+            let facts = HoldFacts {
+                elapsed_ms: now_ms.saturating_sub(h.stored_at_ms),
+                blocks: h.blocks,
+                saved_ms: h.saved_ms,
+                kv_usage: kv_usage(&h.decode_engine_id),
+                conversation_gap_ms: h.conversation_gap_ms,
+            };
+            let v = self.policy.renew(self.gaps.get(key.tenant()), &facts);
+            let agent_url = self.agent_of(&h.decode_engine_id).map(str::to_string);
+            let job = |keep_ms, cause| Job {
+                agent_url: agent_url.clone(),
+                decode_engine_id: h.decode_engine_id.clone(),
+                request_id: h.request_id.clone(),
+                keep_ms,
+                cause,
+            };
+            if v.keep_ms > 0 {
+                self.held.get_mut(&key).expect("listed").due_ms = now_ms.saturating_add(v.keep_ms);
+                out.push((key, job(v.keep_ms, Cause::Renewed)));
+            } else {
+                self.held.remove(&key);
+                self.gaps.record_abandoned(key.tenant());
+                out.push((key, job(0, Cause::NotRenewed)));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::params::KvParams;
+    use serde_json::json;
+
+    fn turn(req: &str) -> StoredTurn {
+        let p = KvParams::parse(
+            &json!({"remote_block_ids": [[1, 2, 3]], "remote_engine_id": "d0",
+            "remote_request_id": req, "remote_host": "h", "remote_port": 1, "tp_size": 1}),
+        )
+        .unwrap();
+        StoredTurn {
+            params: p.compact(),
+            decode_engine: 0,
+            remote_num_tokens: 40,
+            fingerprint: Fingerprint::default(),
+            expires_at_ms: 0,
+        }
+    }
+
+    fn cfg(mode: RetentionMode) -> RetentionConfig {
+        RetentionConfig {
+            mode,
+            min_gap_samples: 3,
+            ..RetentionConfig::default()
+        }
+    }
+
+    #[test]
+    fn releases_only_outside_fixed_mode_and_names_the_agent() {
+        let k = ConvKey::new("t", "c");
+        let mut fixed = Retention::new(cfg(RetentionMode::Fixed));
+        assert_eq!(fixed.release(&k, "d0", &turn("r1"), Cause::Replaced), None);
+        let mut r = Retention::new(cfg(RetentionMode::EarlyRelease));
+        let j = r.release(&k, "d0", &turn("r1"), Cause::Replaced).unwrap();
+        assert_eq!(
+            (j.agent_url, j.keep_ms),
+            (None, 0),
+            "no agent: counted only"
+        );
+        r.learn("http://a:9470", ["d0"].into_iter());
+        let j = r.release(&k, "d0", &turn("r1"), Cause::Lru).unwrap();
+        assert_eq!(j.agent_url.as_deref(), Some("http://a:9470"));
+        assert_eq!((j.request_id.as_str(), j.cause), ("r1", Cause::Lru));
+        // Early release alone never sizes leases.
+        assert_eq!(r.stored(&k, "d0", &turn("r2"), 500.0, 0), None);
+    }
+
+    #[test]
+    fn adaptive_leases_follow_the_gaps_then_renew_or_release() {
+        let mut r = Retention::new(cfg(RetentionMode::Adaptive));
+        r.learn("http://a:9470", ["d0"].into_iter());
+        let max = r.config().max_hold_ms;
+        // No history: the whole cap.
+        let k = ConvKey::new("t", "c0");
+        let j = r.stored(&k, "d0", &turn("r0"), 500.0, 0).unwrap();
+        assert_eq!((j.keep_ms, j.cause), (max, Cause::FirstLease));
+        // Gaps of about 2 s, observed on takes.
+        for i in 0..5u64 {
+            let k = ConvKey::new("t", &format!("g{i}"));
+            r.stored(&k, "d0", &turn("x"), 500.0, 1_000 * i).unwrap();
+            r.taken(&k, 1_000 * i + 2_000);
+        }
+        // A new conversation: leased from the tenant's gaps, far below the cap.
+        let k = ConvKey::new("t", "new");
+        let j = r.stored(&k, "d0", &turn("r9"), 500.0, 100_000).unwrap();
+        assert!(j.keep_ms < 60_000, "{j:?}");
+        assert_eq!(r.due(100_000, |_| None).len(), 0, "not due yet");
+        // At its end, with D almost full of KV: not worth renewing.
+        let due = r.due(100_000 + j.keep_ms, |_| Some(0.99));
+        let (key, rel) = due.iter().find(|(key, _)| key == &k).unwrap();
+        assert_eq!((key, rel.keep_ms, rel.cause), (&k, 0, Cause::NotRenewed));
+        assert_eq!(rel.request_id, "r9");
+        // A conversation with history uses its own previous gap.
+        let k = ConvKey::new("t", "g1");
+        let j = r.stored(&k, "d0", &turn("r10"), 500.0, 200_000).unwrap();
+        assert_eq!(
+            j.keep_ms,
+            r.config().min_lease_ms.max(4_000),
+            "2 s × factor 2"
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! The I/O of decode-side retention ([`crate::retention`]): the hooks the
+//! request path and the store call, the task that sends decisions to the
+//! agents (`POST /v1/leases/retention`, the router's `admin_token` as
+//! bearer, three tries with back-off on transport errors and 5xx: a release
+//! is sent at least once, and agents treat a repeat as a no-op), the tick
+//! that renews or releases followed holds, and
+//! `DELETE /v1/conversations/{id}`.
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use backon::{ExponentialBuilder, Retryable};
+use kvloop_agent_api::peer::{API_VERSION, RETENTION_PATH, RetentionAnswer, RetentionRequest};
+use tracing::debug;
+
+use crate::error::error_response;
+use crate::metrics::RetentionLabels;
+use crate::retention::{Cause, Job};
+use crate::state::AppState;
+use crate::store::{ConvKey, DropCause, Dropped, Lookup, StoredTurn};
+
+/// Decisions queued at most; beyond, a decision is counted `dropped` (D's
+/// own TTL still bounds the hold).
+pub const QUEUE: usize = 4096;
+/// Decisions sent at once.
+const IN_FLIGHT: usize = 16;
+/// Period of the renew / release tick, ms.
+const TICK_MS: u64 = 250;
+/// Timeout of one POST to an agent, ms.
+const POST_TIMEOUT_MS: u64 = 2_000;
+
+impl AppState {
+    fn count_retention(&self, j: &Job, result: &'static str) {
+        self.metrics
+            .retention
+            .get_or_create(&RetentionLabels {
+                action: if j.keep_ms == 0 { "release" } else { "keep" },
+                cause: j.cause.as_str(),
+                result,
+            })
+            .inc();
+    }
+
+    /// Queues `job` (or counts it: no agent known, queue full, no task).
+    fn send_retention(&self, job: Job) {
+        if job.agent_url.is_none() {
+            self.count_retention(&job, "unmanaged");
+            return;
+        }
+        match self.retention_jobs.get() {
+            Some(tx) => {
+                if let Err(e) = tx.try_send(job) {
+                    let j = match e {
+                        tokio::sync::mpsc::error::TrySendError::Full(j)
+                        | tokio::sync::mpsc::error::TrySendError::Closed(j) => j,
+                    };
+                    self.count_retention(&j, "dropped");
+                }
+            }
+            None => self.count_retention(&job, "dropped"),
+        }
+    }
+
+    /// A stored turn nobody will pull: tell D's agent to release its hold.
+    pub(crate) fn release_turn(&self, key: &ConvKey, turn: &StoredTurn, cause: Cause) {
+        let d = self.engine_id(turn.decode_engine);
+        let job = self.retention.lock().release(key, &d, turn, cause);
+        self.metrics
+            .retention_followed
+            .set(self.retention.lock().followed() as i64);
+        if let Some(j) = job {
+            self.send_retention(j);
+        }
+    }
+
+    /// The next turn of `key` took its stored turn (the gap is observed).
+    pub(crate) fn retention_taken(&self, key: &ConvKey, now_ms: u64) {
+        self.retention.lock().taken(key, now_ms);
+    }
+
+    /// A turn is being stored: its first lease (adaptive mode). The TTFT it
+    /// saves: recomputing `remote_num_tokens` on P less the READ, by the
+    /// pair's pushed cost model when there is one, else
+    /// `retention.prefill_ms_per_token` per token.
+    pub(crate) fn retention_stored(
+        &self,
+        key: &ConvKey,
+        turn: &StoredTurn,
+        prefill: u16,
+        now_ms: u64,
+    ) {
+        let d = self.engine_id(turn.decode_engine);
+        let r = f64::from(turn.remote_num_tokens);
+        let model = self
+            .thresholds
+            .lock()
+            .effective(&self.engine_id(prefill), &d, now_ms)
+            .model;
+        let saved_ms = match model {
+            Some(m) => (r * (m.prefill_ms_per_token + m.prefill_ms_per_token_ctx * r / 2.0)
+                - (m.xfer_fixed_ms + r * m.xfer_ms_per_token))
+                .max(0.0),
+            None => r * self.cfg.retention.prefill_ms_per_token,
+        };
+        let job = self
+            .retention
+            .lock()
+            .stored(key, &d, turn, saved_ms, now_ms);
+        if let Some(j) = job {
+            self.send_retention(j);
+        }
+    }
+
+    /// Renews or releases the followed holds whose lease ended; a released
+    /// one's turn leaves the store (its next turn recomputes at once
+    /// instead of trying a READ the agent would decline).
+    pub(crate) async fn retention_tick(&self) {
+        let now = self.now_ms();
+        let due = self.retention.lock().due(now, |_| None);
+        self.metrics
+            .retention_followed
+            .set(self.retention.lock().followed() as i64);
+        for (key, job) in due {
+            if job.keep_ms == 0 {
+                let _ = self.store.take_or_missing(&key, now).await;
+            }
+            self.send_retention(job);
+        }
+    }
+
+    async fn post_retention(&self, job: &Job) -> Result<RetentionAnswer, String> {
+        let url = format!(
+            "{}{RETENTION_PATH}",
+            job.agent_url.as_deref().unwrap_or_default()
+        );
+        let body = RetentionRequest {
+            version: API_VERSION,
+            engine_id: job.decode_engine_id.clone(),
+            request_id: job.request_id.clone(),
+            keep_ms: job.keep_ms,
+            forwarded: false,
+        };
+        let send = || async {
+            let mut req = self
+                .upstream
+                .http
+                .post(&url)
+                .json(&body)
+                .timeout(Duration::from_millis(POST_TIMEOUT_MS));
+            if !self.cfg.admin_token.is_empty() {
+                req = req.bearer_auth(&self.cfg.admin_token);
+            }
+            let resp = req.send().await.map_err(|e| (true, e.to_string()))?;
+            let status = resp.status();
+            if status.is_success() {
+                return resp
+                    .json::<RetentionAnswer>()
+                    .await
+                    .map_err(|e| (false, e.to_string()));
+            }
+            let text = resp.text().await.unwrap_or_default();
+            Err((status.is_server_error(), format!("HTTP {status}: {text}")))
+        };
+        send.retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(100))
+                .with_max_delay(Duration::from_secs(1))
+                .with_max_times(2),
+        )
+        .when(|(retry, _)| *retry)
+        .await
+        .map_err(|(_, e)| format!("{url}: {e}"))
+    }
+
+    async fn run_job(&self, job: Job) {
+        let result = match self.post_retention(&job).await {
+            Ok(RetentionAnswer::Released { .. }) => "released",
+            Ok(RetentionAnswer::Deferred { .. }) => "deferred",
+            Ok(RetentionAnswer::Kept { .. }) => "kept",
+            Ok(RetentionAnswer::Unknown) => "unknown",
+            Err(e) => {
+                debug!(engine_id = %job.decode_engine_id, request_id = %job.request_id, error = %e, "retention decision not applied");
+                "error"
+            }
+        };
+        self.count_retention(&job, result);
+    }
+}
+
+fn cause_of(c: DropCause) -> Cause {
+    match c {
+        DropCause::Lru => Cause::Lru,
+        DropCause::Expired => Cause::Expired,
+        DropCause::Replaced => Cause::Replaced,
+    }
+}
+
+/// Starts the retention tasks of `state` (they end when it is dropped):
+/// the store's dropped turns become releases, decisions are sent
+/// ([`IN_FLIGHT`] at once), and followed holds are renewed or released
+/// every 250 ms.
+pub fn spawn(state: &Arc<AppState>) {
+    let (drop_tx, mut drop_rx) = tokio::sync::mpsc::channel::<Dropped>(QUEUE);
+    state.store.set_drop_sink(drop_tx);
+    let (job_tx, mut job_rx) = tokio::sync::mpsc::channel::<Job>(QUEUE);
+    let _ = state.retention_jobs.set(job_tx);
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        while let Some(d) = drop_rx.recv().await {
+            let Some(s) = weak.upgrade() else { break };
+            s.release_turn(&d.key, &d.turn, cause_of(d.cause));
+        }
+    });
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let permits = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+        while let Some(job) = job_rx.recv().await {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
+            let Some(s) = weak.upgrade() else { break };
+            tokio::spawn(async move {
+                s.run_job(job).await;
+                drop(permit);
+            });
+        }
+    });
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(TICK_MS)).await;
+            let Some(s) = weak.upgrade() else { break };
+            s.retention_tick().await;
+        }
+    });
+}
+
+/// `DELETE /v1/conversations/{id}`: the conversation ended. Its stored turn
+/// (of the request's tenant: the `tenant_header`, as for completions)
+/// leaves the store and D's hold is released at once. `Authorization:
+/// Bearer <admin_token>` when the router has one. `204` when a turn was
+/// stored, `404` when none was.
+pub async fn delete_conversation(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if !s.cfg.admin_token.is_empty() && !crate::admin::authorized(&s, &headers) {
+        return crate::admin::unauthorized();
+    }
+    if id.is_empty() || id.len() > 1024 {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("conversation_id"),
+            "conversation_id: expected 1..=1024 bytes",
+        );
+    }
+    let tenant = headers
+        .get(s.cfg.tenant_header.as_str())
+        .and_then(|v| v.to_str().ok())
+        .filter(|t| !t.is_empty())
+        .unwrap_or(&s.cfg.default_tenant)
+        .to_string();
+    let key = ConvKey::new(&tenant, &id);
+    let now = s.now_ms();
+    match s.store.take_or_missing(&key, now).await {
+        Lookup::Found(turn) => {
+            s.release_turn(&key, &turn, Cause::Ended);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        _ => error_response(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("conversation_id"),
+            format!("conversation `{id}` of tenant `{tenant}`: nothing stored"),
+        ),
+    }
+}
