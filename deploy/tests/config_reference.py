@@ -32,6 +32,7 @@ GUIDE = REPO / "docs" / "operator-guide.md"
 ROUTER_STRUCTS = {
     "": ("router/src/config.rs", "RouterConfig"),
     "engines[]": ("router/src/registry.rs", "EngineConfig"),
+    "retention": ("router/retention/src/policy.rs", "RetentionConfig"),
 }
 AGENT_STRUCTS = {
     "": ("agent/src/config.rs", "AgentConfig"),

@@ -123,8 +123,12 @@ impl AppState {
             .retention_followed
             .set(self.retention.lock().followed() as i64);
         for (key, job) in due {
-            if job.keep_ms == 0 {
-                let _ = self.store.take_or_missing(&key, now).await;
+            if job.keep_ms == 0
+                && let Lookup::Found(t) = self.store.take_or_missing(&key, now).await
+                && t.params.remote_request_id().as_deref() != Some(job.request_id.as_str())
+            {
+                // A newer turn (stored by another replica): not ours to drop.
+                self.store.insert_or_count(key.clone(), t, now).await;
             }
             self.send_retention(job);
         }

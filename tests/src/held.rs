@@ -110,14 +110,15 @@ impl Drop for HeldDemo {
     }
 }
 
-/// `kvloop ARGS` inside namespace `ns` (bounded to 60 s by `timeout`); its
-/// output is echoed to the test's stderr.
+/// `kvloop ARGS` inside namespace `ns` (`nsenter --net`, as `hold.json`'s
+/// commands; bounded to 60 s by `timeout`); its output is echoed to the
+/// test's stderr.
 ///
 /// # Panics
 /// When `timeout` / `ip` cannot run.
 pub fn tool_in(ns: &str, args: &[&str]) -> Output {
     let o = Command::new("timeout")
-        .args(["60", "ip", "netns", "exec", ns])
+        .args(["60", "nsenter", &format!("--net=/run/netns/{ns}")])
         .arg(bin("kvloop"))
         .args(args)
         .output()

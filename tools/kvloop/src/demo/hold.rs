@@ -70,13 +70,16 @@ pub(super) struct Held {
 
 impl Held {
     /// Fills [`Held::commands`]: doctor on the first node, ping from it to
-    /// the second node's agent, top over every agent.
+    /// the second node's agent, top over every agent. They enter the node's
+    /// network namespace with `nsenter --net` (not `ip netns exec`, which
+    /// mounts a fresh sysfs where tracefs is missing and doctor would
+    /// report it).
     pub(super) fn with_commands(mut self) -> Self {
         let exe = std::env::current_exe()
             .map(|p| p.display().to_string())
             .unwrap_or_else(|_| "kvloop".into());
         let on = |n: &HeldNode| match &n.netns {
-            Some(ns) => format!("ip netns exec {ns} {exe}"),
+            Some(ns) => format!("nsenter --net=/run/netns/{ns} {exe}"),
             None => exe.clone(),
         };
         let mut c = Vec::new();
