@@ -280,3 +280,37 @@ pub async fn get_routes(
     let routes = s.routes.lock().last(n, q.get("request_id").copied());
     Json(json!({"policy": s.cfg.policy.as_str(), "routes": routes})).into_response()
 }
+
+/// `GET /admin/retention?n=N` (admin token): decode-side retention as the
+/// router sees it — mode and bounds, the agent of each decode engine, each
+/// tenant's inter-turn gaps, the holds it follows and its last `n` (50)
+/// decisions with the agents' answers (`crate::retention::Retention::snapshot`).
+pub async fn get_retention(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::RawQuery(raw): axum::extract::RawQuery,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    let n = match raw
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == "n")
+        .map(|(_, v)| v.parse::<usize>())
+    {
+        None => 50,
+        Some(Ok(n)) => n.min(crate::retention::RECENT_DECISIONS),
+        Some(Err(_)) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("n"),
+                "query `n`: expected a non-negative integer",
+            );
+        }
+    };
+    Json(s.retention.lock().snapshot(n)).into_response()
+}

@@ -67,8 +67,18 @@ impl Cause {
 
 /// One decision to send: keep D's hold of `request_id` for `keep_ms`
 /// (0: release it).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Job {
+    /// `tenant/conversation_id`.
+    pub conversation: String,
+    /// The policy's reason (`no_history`, `tenant_gaps`,
+    /// `conversation_gap`, `worth`, `not_worth`, `cap`), or the cause for
+    /// an early release.
+    pub reason: &'static str,
+    /// Expected TTFT saved over a renewal's window, ms (0 otherwise).
+    pub value_ms: f64,
+    /// Cost of the blocks over that window, ms (0 otherwise).
+    pub cost_ms: f64,
     /// The agent to send it to (base URL); `None`: no agent known, counted
     /// only.
     pub agent_url: Option<String>,
@@ -96,6 +106,41 @@ struct Held {
 
 /// Most holds followed, and most conversations whose last gap is kept.
 pub const MAX_FOLLOWED: usize = 65_536;
+/// Retention decisions kept for `GET /admin/retention`.
+pub const RECENT_DECISIONS: usize = 256;
+
+fn conversation(k: &ConvKey) -> String {
+    format!("{}/{}", k.tenant(), k.conversation_id())
+}
+
+/// A decision as sent, with what came of it (`GET /admin/retention`,
+/// `kvloop explain --router ... --retention`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct DecisionRecord {
+    /// When it was sent, router clock ms.
+    pub at_ms: u64,
+    /// `release` or `keep`.
+    pub action: &'static str,
+    /// Kept for, ms (0: released).
+    pub keep_ms: u64,
+    /// [`Cause::as_str`].
+    pub cause: &'static str,
+    /// [`Job::reason`].
+    pub reason: &'static str,
+    /// `tenant/conversation_id`.
+    pub conversation: String,
+    /// D.
+    pub decode_engine_id: String,
+    /// D's request id.
+    pub request_id: String,
+    /// Expected TTFT saved (renewals), ms.
+    pub value_ms: f64,
+    /// Cost of the blocks (renewals), ms.
+    pub cost_ms: f64,
+    /// The agent's answer (`released`, `deferred`, `kept`, `unknown`) or
+    /// `unmanaged`, `error`, `dropped`.
+    pub result: &'static str,
+}
 
 /// The router's retention state.
 pub struct Retention {
@@ -105,6 +150,7 @@ pub struct Retention {
     gaps: GapBook,
     held: HashMap<ConvKey, Held>,
     last_gap_ms: LruCache<ConvKey, u64>,
+    recent: std::collections::VecDeque<DecisionRecord>,
 }
 
 impl Retention {
@@ -116,7 +162,51 @@ impl Retention {
             gaps: GapBook::default(),
             held: HashMap::new(),
             last_gap_ms: LruCache::new(std::num::NonZeroUsize::new(MAX_FOLLOWED).expect("> 0")),
+            recent: std::collections::VecDeque::new(),
         }
+    }
+
+    /// Keeps `job`'s outcome `result` at `now_ms` (the last
+    /// [`RECENT_DECISIONS`]).
+    pub fn record(&mut self, job: &Job, result: &'static str, now_ms: u64) {
+        if self.recent.len() >= RECENT_DECISIONS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(DecisionRecord {
+            at_ms: now_ms,
+            action: if job.keep_ms == 0 { "release" } else { "keep" },
+            keep_ms: job.keep_ms,
+            cause: job.cause.as_str(),
+            reason: job.reason,
+            conversation: job.conversation.clone(),
+            decode_engine_id: job.decode_engine_id.clone(),
+            request_id: job.request_id.clone(),
+            value_ms: job.value_ms,
+            cost_ms: job.cost_ms,
+            result,
+        });
+    }
+
+    /// What `GET /admin/retention` shows: the mode and bounds, the agents
+    /// known per decode engine, each tenant's gaps (samples, p50, p90), the
+    /// holds followed, and the last `n` decisions (newest last).
+    pub fn snapshot(&self, n: usize) -> serde_json::Value {
+        let tenants: Vec<serde_json::Value> = self
+            .gaps
+            .iter()
+            .map(|(t, h)| {
+                serde_json::json!({"tenant": t, "samples": h.samples(),
+                    "gap_p50_ms": h.quantile_ms(0.5), "gap_p90_ms": h.quantile_ms(0.9)})
+            })
+            .collect();
+        let skip = self.recent.len().saturating_sub(n);
+        serde_json::json!({
+            "config": self.policy.config(),
+            "agents": self.agents,
+            "tenants": tenants,
+            "followed": self.held.len(),
+            "decisions": self.recent.iter().skip(skip).collect::<Vec<_>>(),
+        })
     }
 
     /// The policy's configuration.
@@ -158,6 +248,10 @@ impl Retention {
             return None;
         }
         Some(Job {
+            conversation: conversation(key),
+            reason: cause.as_str(),
+            value_ms: 0.0,
+            cost_ms: 0.0,
             agent_url: self.agent_of(decode_engine_id).map(str::to_string),
             decode_engine_id: decode_engine_id.to_string(),
             request_id: turn.params.remote_request_id()?,
@@ -221,6 +315,10 @@ impl Retention {
             },
         );
         Some(Job {
+            conversation: conversation(key),
+            reason: v.reason.as_str(),
+            value_ms: v.value_ms,
+            cost_ms: v.cost_ms,
             agent_url: Some(agent_url),
             decode_engine_id: decode_engine_id.to_string(),
             request_id,
@@ -255,7 +353,12 @@ impl Retention {
             };
             let v = self.policy.renew(self.gaps.get(key.tenant()), &facts);
             let agent_url = self.agent_of(&h.decode_engine_id).map(str::to_string);
+            let conv = conversation(&key);
             let job = |keep_ms, cause| Job {
+                conversation: conv.clone(),
+                reason: v.reason.as_str(),
+                value_ms: v.value_ms,
+                cost_ms: v.cost_ms,
                 agent_url: agent_url.clone(),
                 decode_engine_id: h.decode_engine_id.clone(),
                 request_id: h.request_id.clone(),

@@ -33,6 +33,8 @@ const POST_TIMEOUT_MS: u64 = 2_000;
 
 impl AppState {
     fn count_retention(&self, j: &Job, result: &'static str) {
+        let now = self.now_ms();
+        self.retention.lock().record(j, result, now);
         self.metrics
             .retention
             .get_or_create(&RetentionLabels {

@@ -42,6 +42,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/health", get(crate::admin::health))
         .route("/metrics", get(crate::admin::metrics))
         .route("/admin/routes", get(crate::admin::get_routes))
+        .route("/admin/retention", get(crate::admin::get_retention))
         .route(
             "/v1/conversations/{id}",
             axum::routing::delete(crate::retention_task::delete_conversation),

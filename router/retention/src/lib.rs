@@ -66,6 +66,12 @@ impl GapBook {
         self.slot(tenant).record_abandoned();
     }
 
+    /// Every tenant tracked with its histogram (`""`: the shared overflow
+    /// one), in name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &GapHistogram)> {
+        self.tenants.iter().map(|(t, h)| (t.as_str(), h))
+    }
+
     /// Tenants tracked.
     pub fn len(&self) -> usize {
         self.tenants.len()

@@ -7,6 +7,12 @@
 //! router (`GET /admin/routes`, with its admin token) why its last turns
 //! went where they went: policy, reason, P, D, pull or recompute, and the
 //! predicted times of the chosen and the runner-up option.
+//!
+//! `kvloop explain --router HOST:PORT --retention [--last N]`: asks the
+//! router (`GET /admin/retention`) what it decided about decode engines'
+//! holds (issue 15): mode and bounds, the agent of each D, each tenant's
+//! inter-turn gaps, and its last decisions (release / keep, why, the
+//! expected TTFT saved against the blocks' cost, the agent's answer).
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
@@ -30,6 +36,9 @@ pub struct ExplainArgs {
         default_value = ""
     )]
     pub token: String,
+    /// With `--router`: its decode-side retention decisions instead of routes.
+    #[arg(long, requires = "router")]
+    pub retention: bool,
     /// With `--router`: only this request id.
     #[arg(long)]
     pub request_id: Option<String>,
@@ -99,7 +108,11 @@ fn get_auth(addr: &str, path: &str, token: Option<&str>) -> Result<(u16, String)
 /// The agent is unreachable, or refuses the pair (the message says why).
 pub fn run(a: ExplainArgs) -> Result<()> {
     if let Some(r) = &a.router {
-        return routes(&a, r);
+        return if a.retention {
+            retention(&a, r)
+        } else {
+            routes(&a, r)
+        };
     }
     let pair = a.pair.clone().unwrap_or_default();
     if pair.split(',').filter(|s| !s.trim().is_empty()).count() != 2 {
@@ -154,12 +167,9 @@ fn route_line(r: &serde_json::Value) -> String {
     line
 }
 
-fn routes(a: &ExplainArgs, router: &str) -> Result<()> {
-    let mut path = format!("/admin/routes?n={}", a.last);
-    if let Some(id) = &a.request_id {
-        path.push_str(&format!("&request_id={}", encode(id)));
-    }
-    let (status, body) = get_auth(router, &path, Some(&a.token))?;
+/// GET `path` of the router with the admin token, as JSON.
+fn router_json(a: &ExplainArgs, router: &str, path: &str) -> Result<serde_json::Value> {
+    let (status, body) = get_auth(router, path, Some(&a.token))?;
     if status == 401 {
         bail!(
             "router refused the token (401): pass --token or KVLOOP_ROUTER_ADMIN_TOKEN (its admin_token)"
@@ -170,6 +180,15 @@ fn routes(a: &ExplainArgs, router: &str) -> Result<()> {
     if status != 200 {
         bail!("router: HTTP {status}: {body}");
     }
+    Ok(v)
+}
+
+fn routes(a: &ExplainArgs, router: &str) -> Result<()> {
+    let mut path = format!("/admin/routes?n={}", a.last);
+    if let Some(id) = &a.request_id {
+        path.push_str(&format!("&request_id={}", encode(id)));
+    }
+    let v = router_json(a, router, &path)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -189,8 +208,121 @@ fn routes(a: &ExplainArgs, router: &str) -> Result<()> {
     Ok(())
 }
 
+fn retention(a: &ExplainArgs, router: &str) -> Result<()> {
+    let v = router_json(a, router, &format!("/admin/retention?n={}", a.last))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", retention_text(&v));
+    }
+    Ok(())
+}
+
+/// The text of `--retention`: bounds, agents, tenants' gaps, one line per
+/// decision (newest last).
+fn retention_text(v: &serde_json::Value) -> String {
+    let c = &v["config"];
+    let f = |x: &serde_json::Value| x.as_f64().map_or("-".into(), |x| format!("{x}"));
+    let secs = |x: &serde_json::Value| {
+        x.as_f64().map_or("-".into(), |x| {
+            if x < 10_000.0 {
+                format!("{x:.0} ms")
+            } else {
+                format!("{:.1} s", x / 1e3)
+            }
+        })
+    };
+    let mut o = format!(
+        "retention {}: max hold {} ms, min lease {} ms, first lease = p{} of the tenant's gaps or the conversation's last gap × {}, {} gaps before; cost {} ms per block-second at half-full KV\n",
+        c["mode"].as_str().unwrap_or("-"),
+        f(&c["max_hold_ms"]),
+        f(&c["min_lease_ms"]),
+        c["gap_quantile"]
+            .as_f64()
+            .map_or("-".into(), |q| format!("{}", q * 100.0)),
+        f(&c["conversation_gap_factor"]),
+        f(&c["min_gap_samples"]),
+        f(&c["block_second_cost_ms"]),
+    );
+    match v["agents"].as_object() {
+        Some(m) if !m.is_empty() => {
+            for (d, url) in m {
+                o.push_str(&format!("agent of {d}: {}\n", url.as_str().unwrap_or("-")));
+            }
+        }
+        _ => o.push_str("no agent known (no push with agent_url): decisions are only counted\n"),
+    }
+    for t in v["tenants"].as_array().into_iter().flatten() {
+        o.push_str(&format!(
+            "tenant {}: {} gaps, p50 {}, p90 {}\n",
+            t["tenant"].as_str().unwrap_or("-"),
+            f(&t["samples"]),
+            secs(&t["gap_p50_ms"]),
+            secs(&t["gap_p90_ms"]),
+        ));
+    }
+    o.push_str(&format!("holds followed: {}\n", f(&v["followed"])));
+    for d in v["decisions"].as_array().into_iter().flatten() {
+        let s = |k: &str| d[k].as_str().unwrap_or("-").to_string();
+        let what = if d["keep_ms"].as_u64() == Some(0) {
+            "release".to_string()
+        } else {
+            format!("keep {} ms", f(&d["keep_ms"]))
+        };
+        let mut why = format!("{} ({})", s("cause"), s("reason"));
+        if d["value_ms"].as_f64().unwrap_or(0.0) > 0.0 || d["cost_ms"].as_f64().unwrap_or(0.0) > 0.0
+        {
+            why.push_str(&format!(
+                ", expected TTFT saved {:.3} ms against a cost of {:.3} ms",
+                d["value_ms"].as_f64().unwrap_or(0.0),
+                d["cost_ms"].as_f64().unwrap_or(0.0)
+            ));
+        }
+        o.push_str(&format!(
+            "at {} ms: {what} of {} {} ({}): {why} → {}\n",
+            f(&d["at_ms"]),
+            s("decode_engine_id"),
+            s("request_id"),
+            s("conversation"),
+            s("result"),
+        ));
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn retention_decisions_read_one_per_line() {
+        let v = serde_json::json!({"config": {"mode": "adaptive", "max_hold_ms": 480000, "min_lease_ms": 5000,
+                "gap_quantile": 0.9, "conversation_gap_factor": 2.0, "min_gap_samples": 20, "block_second_cost_ms": 0.0005},
+            "agents": {"d0": "http://10.0.0.1:9470"},
+            "tenants": [{"tenant": "default", "samples": 42, "gap_p50_ms": 2100.0, "gap_p90_ms": 18300.0}],
+            "followed": 3,
+            "decisions": [
+                {"at_ms": 1000, "action": "keep", "keep_ms": 16600, "cause": "first_lease", "reason": "tenant_gaps",
+                 "conversation": "default/c1", "decode_engine_id": "d0", "request_id": "r1", "value_ms": 0.0, "cost_ms": 0.0, "result": "kept"},
+                {"at_ms": 17600, "action": "release", "keep_ms": 0, "cause": "not_renewed", "reason": "not_worth",
+                 "conversation": "default/c1", "decode_engine_id": "d0", "request_id": "r1", "value_ms": 0.4, "cost_ms": 1.25, "result": "released"}]});
+        let t = super::retention_text(&v);
+        assert!(
+            t.starts_with("retention adaptive: max hold 480000 ms"),
+            "{t}"
+        );
+        assert!(t.contains("agent of d0: http://10.0.0.1:9470"), "{t}");
+        assert!(
+            t.contains("tenant default: 42 gaps, p50 2100 ms, p90 18.3 s"),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "at 1000 ms: keep 16600 ms of d0 r1 (default/c1): first_lease (tenant_gaps) → kept"
+            ),
+            "{t}"
+        );
+        assert!(t.contains("release of d0 r1 (default/c1): not_renewed (not_worth), expected TTFT saved 0.400 ms against a cost of 1.250 ms → released"), "{t}");
+    }
+
     #[test]
     fn a_route_reads_as_one_line_and_its_options() {
         let r = serde_json::json!({"request_id": "r1", "policy": "predicted_ttft", "reason": "predicted_pull",
