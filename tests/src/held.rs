@@ -110,21 +110,27 @@ impl Drop for HeldDemo {
     }
 }
 
-/// `kvloop ARGS` inside namespace `ns` (`nsenter --net`, as `hold.json`'s
-/// commands; bounded to 60 s by `timeout`); its output is echoed to the
-/// test's stderr.
+/// `kvloop ARGS` on a node of `hold.json` (its `enter` prefix, as the
+/// printed commands; bounded to 60 s by `timeout`); its output is echoed to
+/// the test's stderr.
 ///
 /// # Panics
-/// When `timeout` / `ip` cannot run.
-pub fn tool_in(ns: &str, args: &[&str]) -> Output {
+/// When `timeout` or the prefix cannot run.
+pub fn tool_on(node: &Value, args: &[&str]) -> Output {
+    let enter: Vec<&str> = node["enter"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
     let o = Command::new("timeout")
-        .args(["60", "nsenter", &format!("--net=/run/netns/{ns}")])
+        .arg("60")
+        .args(&enter)
         .arg(bin("kvloop"))
         .args(args)
         .output()
         .expect("running kvloop");
     eprintln!(
-        "$ kvloop {}\n{}{}",
+        "$ {} kvloop {}\n{}{}",
+        enter.join(" "),
         args.join(" "),
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)

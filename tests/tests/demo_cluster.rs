@@ -21,9 +21,8 @@ fn tools_against_the_held_cluster(held: &Value) {
     let nodes = held["nodes"].as_array().expect("nodes");
     assert_eq!(nodes.len(), 5, "2 P + 3 D: {held}");
     let s = |v: &Value| v.as_str().unwrap_or_else(|| panic!("{held}")).to_string();
-    let ns = s(&nodes[0]["netns"]);
-    let v = json_of(&tool_in(
-        &ns,
+    let v = json_of(&tool_on(
+        &nodes[0],
         &[
             "doctor",
             "--json",
@@ -34,8 +33,8 @@ fn tools_against_the_held_cluster(held: &Value) {
     for c in ["side_channel", "routers", "clock"] {
         assert_eq!(doctor_check(&v, c)["level"], "pass", "{c}: {v}");
     }
-    let o = tool_in(
-        &ns,
+    let o = tool_on(
+        &nodes[0],
         &["ping", &s(&nodes[1]["agent_http"]), "-c", "10", "--json"],
     );
     assert!(o.status.success(), "ping failed");
@@ -48,7 +47,7 @@ fn tools_against_the_held_cluster(held: &Value) {
     }
     args.extend(nodes.iter().map(|n| s(&n["agent_http"])));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let v = json_of(&tool_in(&ns, &refs));
+    let v = json_of(&tool_on(&nodes[0], &refs));
     assert!(v["errors"].as_array().unwrap().is_empty(), "{v}");
     // Every P agent probes every D: 2 × 3 paths at least, all valid.
     let from_p = v["paths"]

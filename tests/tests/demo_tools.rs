@@ -54,7 +54,10 @@ fn doctor_ping_and_top_against_a_held_demo() {
 
     // doctor, healthy: node A's side channel is routable from B, the router
     // takes agent A's token, B's clock answers.
-    let v = json_of(&tool_in(&ns_a, &["doctor", "--json", "--config", &cfg_a]));
+    let v = json_of(&tool_on(
+        &nodes[0],
+        &["doctor", "--json", "--config", &cfg_a],
+    ));
     for c in ["side_channel", "routers", "clock"] {
         assert_eq!(doctor_check(&v, c)["level"], "pass", "{c}: {v}");
     }
@@ -67,8 +70,8 @@ fn doctor_ping_and_top_against_a_held_demo() {
         text.replace("token = \"kvloop-demo\"", "token = \"not-the-token\""),
     )
     .unwrap();
-    let o = tool_in(
-        &ns_a,
+    let o = tool_on(
+        &nodes[0],
         &["doctor", "--json", "--config", bad.to_str().unwrap()],
     );
     let v = json_of(&o);
@@ -76,7 +79,7 @@ fn doctor_ping_and_top_against_a_held_demo() {
     assert_eq!(o.status.code(), Some(2), "{v}");
 
     // ping A → B's probe engine: every READ completes.
-    let o = tool_in(&ns_a, &["ping", &agent_b, "-c", "20", "--json"]);
+    let o = tool_on(&nodes[0], &["ping", &agent_b, "-c", "20", "--json"]);
     assert!(o.status.success(), "ping failed");
     let rows = ping_summaries(&o);
     assert_eq!(rows.len(), 3, "one summary per --blocks row (1, 8, 32)");
@@ -86,12 +89,12 @@ fn doctor_ping_and_top_against_a_held_demo() {
         assert!(r["bw_gbps"].as_f64().unwrap() > 0.0, "{r}");
     }
     // ping, injected: an address in node A where no agent listens.
-    let o = tool_in(&ns_a, &["ping", "127.0.0.1:9", "-c", "2", "--json"]);
+    let o = tool_on(&nodes[0], &["ping", "127.0.0.1:9", "-c", "2", "--json"]);
     assert!(!o.status.success(), "ping of nothing must fail");
 
     // top --once --json over both agents and the router.
-    let v = json_of(&tool_in(
-        &ns_a,
+    let v = json_of(&tool_on(
+        &nodes[0],
         &[
             "top", "--once", "--json", "--router", &router, &agent_a, &agent_b,
         ],
@@ -127,7 +130,10 @@ fn doctor_ping_and_top_against_a_held_demo() {
         "the held router served the adaptive mode: {v}"
     );
     // top, injected: an agent that is not there is listed, exit status 1.
-    let o = tool_in(&ns_a, &["top", "--once", "--json", &agent_a, "127.0.0.1:9"]);
+    let o = tool_on(
+        &nodes[0],
+        &["top", "--once", "--json", &agent_a, "127.0.0.1:9"],
+    );
     assert_eq!(o.status.code(), Some(1));
 
     // Decode-side retention (issue 15): the conversation's last turn is
@@ -193,8 +199,8 @@ fn doctor_ping_and_top_against_a_held_demo() {
     assert!(kept >= 1.0, "no first lease applied");
 
     // kvloop explain shows those decisions and the agents' answers.
-    let o = tool_in(
-        &ns_a,
+    let o = tool_on(
+        &nodes[0],
         &[
             "explain",
             "--router",

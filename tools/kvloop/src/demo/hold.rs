@@ -46,6 +46,13 @@ pub(super) struct HeldNode {
     pub(super) name: String,
     /// Its network namespace; none on loopback.
     pub(super) netns: Option<String>,
+    /// The argv prefix that runs a command on this node (empty on
+    /// loopback): `nsenter --net=/run/netns/NS` where the node needs no
+    /// `/etc/netns/NS` files (`ip netns exec` mounts a fresh sysfs, where
+    /// tracefs is missing and doctor would report it), else `ip netns exec
+    /// NS` (the cluster's nodes resolve the routers' name from
+    /// `/etc/netns/NS/hosts`).
+    pub(super) enter: Vec<String>,
     /// Its agent's HTTP address (`host:port`).
     pub(super) agent_http: String,
     /// Its agent's `agent.toml`.
@@ -70,17 +77,16 @@ pub(super) struct Held {
 
 impl Held {
     /// Fills [`Held::commands`]: doctor on the first node, ping from it to
-    /// the second node's agent, top over every agent. They enter the node's
-    /// network namespace with `nsenter --net` (not `ip netns exec`, which
-    /// mounts a fresh sysfs where tracefs is missing and doctor would
-    /// report it).
+    /// the second node's agent, top over every agent, each entering the
+    /// first node by [`HeldNode::enter`].
     pub(super) fn with_commands(mut self) -> Self {
         let exe = std::env::current_exe()
             .map(|p| p.display().to_string())
             .unwrap_or_else(|_| "kvloop".into());
-        let on = |n: &HeldNode| match &n.netns {
-            Some(ns) => format!("nsenter --net=/run/netns/{ns} {exe}"),
-            None => exe.clone(),
+        let on = |n: &HeldNode| {
+            let mut v = n.enter.clone();
+            v.push(exe.clone());
+            v.join(" ")
         };
         let mut c = Vec::new();
         if let Some(first) = self.nodes.first() {

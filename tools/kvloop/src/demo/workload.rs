@@ -92,6 +92,9 @@ fn held(topo: &Topology, c: &Cluster, routers: Vec<String>) -> hold::Held {
         .enumerate()
         .map(|(i, (name, b))| hold::HeldNode {
             name: name.into(),
+            enter: ns(b).map_or_else(Vec::new, |ns| {
+                vec!["nsenter".into(), format!("--net=/run/netns/{ns}")]
+            }),
             netns: ns(b),
             agent_http: c.agent_http[i].clone(),
             agent_config: std::path::absolute(&c.agent_configs[i])

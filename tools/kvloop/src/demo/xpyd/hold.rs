@@ -60,6 +60,9 @@ pub(super) async fn hold(
             HeldNode {
                 name: format!("node-{}", e.id),
                 netns: Some(n.ns.clone()),
+                enter: ["ip", "netns", "exec", n.ns.as_str()]
+                    .map(String::from)
+                    .to_vec(),
                 agent_http: format!("{}:{AGENT_PORT}", n.addr),
                 agent_config: std::path::absolute(&cfg)
                     .unwrap_or(cfg)
