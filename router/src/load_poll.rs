@@ -43,6 +43,32 @@ pub fn queue_requests(text: &str) -> Option<u32> {
     seen.then(|| sum.round().min(f64::from(u32::MAX - 1)) as u32)
 }
 
+/// The largest sample of gauge `name` (any label set) in Prometheus text,
+/// finite and in `0..=1`; `None` when absent. Used for D's KV usage
+/// (`vllm:kv_cache_usage_perc`, vLLM's name and range, 1 = 100 %).
+pub fn fraction_gauge(text: &str, name: &str) -> Option<f64> {
+    let mut best: Option<f64> = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let rest = match rest.chars().next() {
+            Some('{') => rest.split_once('}').map_or("", |(_, v)| v),
+            Some(' ') => rest,
+            _ => continue,
+        };
+        if let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            && (0.0..=1.0).contains(&v)
+        {
+            best = Some(best.map_or(v, |b: f64| b.max(v)));
+        }
+    }
+    best
+}
+
 impl AppState {
     /// Polls every prefill engine's queue once.
     pub async fn poll_load(&self) {
@@ -90,5 +116,17 @@ mod tests {
         assert_eq!(queue_requests("vllm:num_requests_running NaN\n"), None);
         assert_eq!(queue_requests("other 1\n"), None);
         assert_eq!(queue_requests("vllm:num_requests_running 0\n"), Some(0));
+    }
+
+    #[test]
+    fn kv_usage_is_the_largest_fraction() {
+        use super::fraction_gauge as f;
+        let n = "vllm:kv_cache_usage_perc";
+        let t = "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\n\
+                 vllm:kv_cache_usage_perc{model_name=\"b\"} 0.5\nvllm:kv_cache_usage_perc_x 0.9\n";
+        assert_eq!(f(t, n), Some(0.5));
+        assert_eq!(f("vllm:kv_cache_usage_perc 7\n", n), None, "outside 0..1");
+        assert_eq!(f("vllm:kv_cache_usage_perc NaN\n", n), None);
+        assert_eq!(f("", n), None);
     }
 }

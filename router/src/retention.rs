@@ -151,7 +151,12 @@ pub struct Retention {
     held: HashMap<ConvKey, Held>,
     last_gap_ms: LruCache<ConvKey, u64>,
     recent: std::collections::VecDeque<DecisionRecord>,
+    /// Decode engine id → (KV usage 0..1, when reported, ms).
+    kv_usage: HashMap<String, (f64, u64)>,
 }
+
+/// A KV usage report older than this is not used (the default applies), ms.
+pub const KV_USAGE_FRESH_MS: u64 = 10_000;
 
 impl Retention {
     /// State for `cfg` (validated by the router's config).
@@ -163,7 +168,29 @@ impl Retention {
             held: HashMap::new(),
             last_gap_ms: LruCache::new(std::num::NonZeroUsize::new(MAX_FOLLOWED).expect("> 0")),
             recent: std::collections::VecDeque::new(),
+            kv_usage: HashMap::new(),
         }
+    }
+
+    /// D's KV usage (0..1) reported at `now_ms` (`None`: not reported).
+    pub fn set_kv_usage(&mut self, decode_engine_id: &str, usage: Option<f64>, now_ms: u64) {
+        match usage {
+            Some(u) => {
+                self.kv_usage
+                    .insert(decode_engine_id.to_string(), (u, now_ms));
+            }
+            None => {
+                self.kv_usage.remove(decode_engine_id);
+            }
+        }
+    }
+
+    /// D's last KV usage if reported within [`KV_USAGE_FRESH_MS`] of `now_ms`.
+    pub fn kv_usage(&self, decode_engine_id: &str, now_ms: u64) -> Option<f64> {
+        self.kv_usage
+            .get(decode_engine_id)
+            .filter(|(_, at)| now_ms.saturating_sub(*at) <= KV_USAGE_FRESH_MS)
+            .map(|(u, _)| *u)
     }
 
     /// Keeps `job`'s outcome `result` at `now_ms` (the last
@@ -205,6 +232,7 @@ impl Retention {
             "agents": self.agents,
             "tenants": tenants,
             "followed": self.held.len(),
+            "kv_usage": self.kv_usage.iter().map(|(d, (u, _))| (d.clone(), *u)).collect::<std::collections::BTreeMap<_, _>>(),
             "decisions": self.recent.iter().skip(skip).collect::<Vec<_>>(),
         })
     }
@@ -327,14 +355,11 @@ impl Retention {
         })
     }
 
-    /// Holds whose lease ended by `now_ms`, at D's KV usage `kv_usage` (of
-    /// each decode engine, when reported): a renewal to send (keep), or a
-    /// release, with the key whose stored turn must leave the store.
-    pub fn due(
-        &mut self,
-        now_ms: u64,
-        kv_usage: impl Fn(&str) -> Option<f64>,
-    ) -> Vec<(ConvKey, Job)> {
+    /// Holds whose lease ended by `now_ms`, at each D's reported KV usage
+    /// ([`Retention::set_kv_usage`]; the default when none is fresh): a
+    /// renewal to send (keep), or a release, with the key whose stored turn
+    /// must leave the store.
+    pub fn due(&mut self, now_ms: u64) -> Vec<(ConvKey, Job)> {
         let keys: Vec<ConvKey> = self
             .held
             .iter()
@@ -348,7 +373,7 @@ impl Retention {
                 elapsed_ms: now_ms.saturating_sub(h.stored_at_ms),
                 blocks: h.blocks,
                 saved_ms: h.saved_ms,
-                kv_usage: kv_usage(&h.decode_engine_id),
+                kv_usage: self.kv_usage(&h.decode_engine_id, now_ms),
                 conversation_gap_ms: h.conversation_gap_ms,
             };
             let v = self.policy.renew(self.gaps.get(key.tenant()), &facts);
@@ -447,9 +472,12 @@ mod tests {
         let k = ConvKey::new("t", "new");
         let j = r.stored(&k, "d0", &turn("r9"), 500.0, 100_000).unwrap();
         assert!(j.keep_ms < 60_000, "{j:?}");
-        assert_eq!(r.due(100_000, |_| None).len(), 0, "not due yet");
+        assert_eq!(r.due(100_000).len(), 0, "not due yet");
         // At its end, with D almost full of KV: not worth renewing.
-        let due = r.due(100_000 + j.keep_ms, |_| Some(0.99));
+        r.set_kv_usage("d0", Some(0.99), 100_000 + j.keep_ms);
+        assert_eq!(r.kv_usage("d0", 100_000 + j.keep_ms), Some(0.99));
+        assert_eq!(r.kv_usage("d0", 200_000 + j.keep_ms), None, "stale");
+        let due = r.due(100_000 + j.keep_ms);
         let (key, rel) = due.iter().find(|(key, _)| key == &k).unwrap();
         assert_eq!((key, rel.keep_ms, rel.cause), (&k, 0, Cause::NotRenewed));
         assert_eq!(rel.request_id, "r9");

@@ -120,7 +120,7 @@ impl AppState {
     /// instead of trying a READ the agent would decline).
     pub(crate) async fn retention_tick(&self) {
         let now = self.now_ms();
-        let due = self.retention.lock().due(now, |_| None);
+        let due = self.retention.lock().due(now);
         self.metrics
             .retention_followed
             .set(self.retention.lock().followed() as i64);
@@ -241,6 +241,38 @@ pub fn spawn(state: &Arc<AppState>) {
             s.retention_tick().await;
         }
     });
+    if state.cfg.retention.mode == kvloop_retention::RetentionMode::Adaptive {
+        let weak = Arc::downgrade(state);
+        tokio::spawn(async move {
+            loop {
+                let Some(s) = weak.upgrade() else { break };
+                s.poll_kv_usage().await;
+                drop(s);
+                tokio::time::sleep(Duration::from_millis(KV_USAGE_POLL_MS)).await;
+            }
+        });
+    }
+}
+
+/// Period of reading the decode engines' KV usage, ms.
+const KV_USAGE_POLL_MS: u64 = 1_000;
+
+impl AppState {
+    /// Reads every decode engine's `vllm:kv_cache_usage_perc` (vLLM's
+    /// gauge, 0..1; vLLM before v1: `vllm:gpu_cache_usage_perc`) from its
+    /// `/metrics`: D's KV pressure in the renew decisions.
+    async fn poll_kv_usage(&self) {
+        for &i in &self.decode_idx {
+            let usage = self.engine_get(i, "/metrics").await.and_then(|b| {
+                let t = std::str::from_utf8(&b).ok()?;
+                crate::load_poll::fraction_gauge(t, "vllm:kv_cache_usage_perc")
+                    .or_else(|| crate::load_poll::fraction_gauge(t, "vllm:gpu_cache_usage_perc"))
+            });
+            let now = self.now_ms();
+            let d = self.engine_id(i);
+            self.retention.lock().set_kv_usage(&d, usage, now);
+        }
+    }
 }
 
 /// `DELETE /v1/conversations/{id}`: the conversation ended. Its stored turn

@@ -215,6 +215,10 @@ fn doctor_ping_and_top_against_a_held_demo() {
     assert!(text.contains("retention adaptive"), "{text}");
     assert!(text.contains("agent of d0: http://"), "{text}");
     assert!(
+        text.contains("KV usage of d0: "),
+        "D reports its KV usage: {text}"
+    );
+    assert!(
         text.lines()
             .any(|l| l.contains("release of d0") && l.contains("ended (ended) → released")),
         "{text}"

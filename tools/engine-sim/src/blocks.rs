@@ -5,6 +5,7 @@ use std::time::Instant;
 #[derive(Debug)]
 pub struct BlockAllocator {
     free: Vec<u32>,
+    num_blocks: u32,
 }
 
 impl BlockAllocator {
@@ -12,6 +13,7 @@ impl BlockAllocator {
     pub fn new(num_blocks: u32) -> Self {
         Self {
             free: (0..num_blocks).rev().collect(),
+            num_blocks,
         }
     }
     /// Allocate `n` blocks, or `None` when fewer are free.
@@ -31,6 +33,13 @@ impl BlockAllocator {
     /// Free blocks.
     pub fn free_blocks(&self) -> usize {
         self.free.len()
+    }
+    /// Blocks in use over all blocks, 0..1 (0 without blocks).
+    pub fn usage(&self) -> f64 {
+        if self.num_blocks == 0 {
+            return 0.0;
+        }
+        1.0 - self.free.len() as f64 / f64::from(self.num_blocks)
     }
 }
 
@@ -59,5 +68,6 @@ mod tests {
         assert_eq!(a.allocate(2), None);
         a.release(&[0, 1, 2]);
         assert_eq!(a.free_blocks(), 4);
+        assert!(a.usage() >= 0.0 && a.usage() <= 1.0);
     }
 }

@@ -312,6 +312,8 @@ pub(crate) async fn prefills(State(e): State<Arc<Engine>>) -> Response {
 }
 
 pub(crate) async fn metrics_text(State(e): State<Arc<Engine>>) -> Response {
+    let usage = e.alloc.lock().usage();
+    e.metrics.kv_cache_usage.set(usage);
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -43,6 +43,9 @@ pub struct Metrics {
     /// `kvloop_sim_parked_blocks`: blocks out of use because an abandoned
     /// READ may still write them.
     pub parked_blocks: Gauge,
+    /// `vllm:kv_cache_usage_perc`: blocks in use over all blocks, 0..1
+    /// (vLLM's name and range: 1 means 100 % used), set at each scrape.
+    pub kv_cache_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -74,6 +77,7 @@ impl Metrics {
             requests_waiting: Gauge::default(),
             requests_running: Gauge::default(),
             parked_blocks: Gauge::default(),
+            kv_cache_usage: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -140,6 +144,11 @@ impl Metrics {
             "kvloop_sim_parked_blocks",
             "Blocks out of use because an abandoned READ may still write them",
             m.parked_blocks.clone(),
+        );
+        registry.register(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 0..1 (1 means 100 percent usage)",
+            m.kv_cache_usage.clone(),
         );
         Self { registry, ..m }
     }

@@ -261,6 +261,12 @@ fn retention_text(v: &serde_json::Value) -> String {
             secs(&t["gap_p90_ms"]),
         ));
     }
+    for (d, u) in v["kv_usage"].as_object().into_iter().flatten() {
+        o.push_str(&format!(
+            "KV usage of {d}: {:.0} %\n",
+            u.as_f64().unwrap_or(f64::NAN) * 100.0
+        ));
+    }
     o.push_str(&format!("holds followed: {}\n", f(&v["followed"])));
     for d in v["decisions"].as_array().into_iter().flatten() {
         let s = |k: &str| d[k].as_str().unwrap_or("-").to_string();
@@ -298,7 +304,7 @@ mod tests {
                 "gap_quantile": 0.9, "conversation_gap_factor": 2.0, "min_gap_samples": 20, "block_second_cost_ms": 0.0005},
             "agents": {"d0": "http://10.0.0.1:9470"},
             "tenants": [{"tenant": "default", "samples": 42, "gap_p50_ms": 2100.0, "gap_p90_ms": 18300.0}],
-            "followed": 3,
+            "followed": 3, "kv_usage": {"d0": 0.42},
             "decisions": [
                 {"at_ms": 1000, "action": "keep", "keep_ms": 16600, "cause": "first_lease", "reason": "tenant_gaps",
                  "conversation": "default/c1", "decode_engine_id": "d0", "request_id": "r1", "value_ms": 0.0, "cost_ms": 0.0, "result": "kept"},
@@ -310,6 +316,7 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("agent of d0: http://10.0.0.1:9470"), "{t}");
+        assert!(t.contains("KV usage of d0: 42 %"), "{t}");
         assert!(
             t.contains("tenant default: 42 gaps, p50 2100 ms, p90 18.3 s"),
             "{t}"
