@@ -16,7 +16,8 @@ use crate::upstream::{Failure, PrefillReply, Stage, UpstreamError};
 /// The prefill step with the retry-once rule: when D's params were attached
 /// and the failure is retry-safe, once more without them, on the next
 /// healthy prefill engine when there is another one. Returns P's index and
-/// answer; records the pull's outcome.
+/// answer; records the pull's outcome. `pull_failed` runs when P failed
+/// with D's params attached (D's hold will not be read: released).
 pub(crate) async fn prefill(
     s: &AppState,
     req: &ParsedRequest,
@@ -24,6 +25,7 @@ pub(crate) async fn prefill(
     decision: &Decision,
     n_prompt: Option<usize>,
     request_id: &str,
+    pull_failed: impl FnOnce(),
 ) -> Result<(u16, PrefillReply), UpstreamError> {
     let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
     let no_reuse = || to_raw(&no_reuse_prefill_params());
@@ -55,6 +57,7 @@ pub(crate) async fn prefill(
         }
         Err(e) => {
             s.record_pull(p_idx, holder, PullOutcome::Failed);
+            pull_failed();
             if !e.retry_safe() {
                 warn!(%request_id, error = %e, "prefill with D's params refused; not retried");
                 return Err(e);

@@ -40,6 +40,9 @@ pub enum Cause {
     PrefixMismatch,
     /// `DELETE /v1/conversations/{id}`.
     Ended,
+    /// Taken for a pull, but P failed with D's params attached (the router
+    /// retried without them, or the request failed).
+    PullFailed,
     /// Its lease ended and renewing does not pay (or the cap was reached).
     NotRenewed,
     /// A first lease (keep).
@@ -58,6 +61,7 @@ impl Cause {
             Self::Recomputed => "recomputed",
             Self::PrefixMismatch => "prefix_mismatch",
             Self::Ended => "ended",
+            Self::PullFailed => "pull_failed",
             Self::NotRenewed => "not_renewed",
             Self::FirstLease => "first_lease",
             Self::Renewed => "renewed",

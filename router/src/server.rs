@@ -256,6 +256,7 @@ async fn route_inner(
         .inc();
 
     // What to store after the turn.
+    let key_for_release = taken.as_ref().and(key.clone());
     let ctx = key.map(|key| {
         let mut hist = HistoryHasher::default();
         match history {
@@ -283,9 +284,22 @@ async fn route_inner(
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
         compute_ms,
     );
-    let (p_idx, p_reply) = prefill(s, &req, p_idx, &decision, n_prompt, &request_id)
-        .await
-        .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
+    let pull_failed = || {
+        if let (Some(k), Some(t)) = (&key_for_release, &taken) {
+            s.release_turn(k, t, crate::retention::Cause::PullFailed);
+        }
+    };
+    let (p_idx, p_reply) = prefill(
+        s,
+        &req,
+        p_idx,
+        &decision,
+        n_prompt,
+        &request_id,
+        pull_failed,
+    )
+    .await
+    .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
     let d_params = params_for_decode(s, p_idx, p_reply)?;
 
     // Decode request: the client's body with P's params. Never resent to another D.

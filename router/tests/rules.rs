@@ -300,6 +300,12 @@ async fn prefill_failure_with_params_is_retried_once_without() {
         .await;
     assert_eq!(st, 200, "{a}");
     assert_eq!(c.metric("kvloop_router_prefill_retries_total").await, 1.0);
+    // D's hold of turn 1 will not be read: released (counted only, no agent).
+    assert_eq!(
+        c.metric(r#"kvloop_router_retention_total{action="release",cause="pull_failed",result="unmanaged"}"#)
+            .await,
+        1.0
+    );
     assert_eq!(
         c.p_stats(0).requests,
         3,

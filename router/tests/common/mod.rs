@@ -130,6 +130,19 @@ impl Cluster {
             .unwrap()
     }
 
+    /// `GET <router><path>` as JSON, with the admin token.
+    pub async fn get_json_auth(&self, path: &str) -> Value {
+        self.http
+            .get(format!("{}{path}", self.router.url()))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
     pub async fn metric(&self, series: &str) -> f64 {
         metric(&self.http, &self.router.url(), series).await
     }
