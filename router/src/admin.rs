@@ -205,6 +205,7 @@ pub async fn put_thresholds(
                 s.retention.lock().learn(
                     url.trim_end_matches('/'),
                     u.pairs.iter().map(|p| p.decode_engine_id.as_str()),
+                    now,
                 );
             }
             debug!(agent = %u.agent_id, seq = u.seq, pairs = n, "thresholds applied");

@@ -157,7 +157,14 @@ pub struct Retention {
     recent: std::collections::VecDeque<DecisionRecord>,
     /// Decode engine id → (KV usage 0..1, when reported, ms).
     kv_usage: HashMap<String, (f64, u64)>,
+    /// Decode engine id → until when (ms) its agent said it does not host
+    /// it (stock vLLM behind an agent that only pushes thresholds): not
+    /// learned again before.
+    unmanaged: HashMap<String, u64>,
 }
+
+/// How long a decode engine no agent hosts is treated as unmanaged, ms.
+pub const UNMANAGED_FOR_MS: u64 = 60_000;
 
 /// A KV usage report older than this is not used (the default applies), ms.
 pub const KV_USAGE_FRESH_MS: u64 = 10_000;
@@ -173,7 +180,17 @@ impl Retention {
             last_gap_ms: LruCache::new(std::num::NonZeroUsize::new(MAX_FOLLOWED).expect("> 0")),
             recent: std::collections::VecDeque::new(),
             kv_usage: HashMap::new(),
+            unmanaged: HashMap::new(),
         }
+    }
+
+    /// The agent answered that no agent hosts `decode_engine_id` (observe
+    /// mode): decisions about it are only counted for
+    /// [`UNMANAGED_FOR_MS`].
+    pub fn mark_unmanaged(&mut self, decode_engine_id: &str, now_ms: u64) {
+        self.agents.remove(decode_engine_id);
+        self.unmanaged
+            .insert(decode_engine_id.to_string(), now_ms + UNMANAGED_FOR_MS);
     }
 
     /// D's KV usage (0..1) reported at `now_ms` (`None`: not reported).
@@ -246,9 +263,19 @@ impl Retention {
         self.policy.config()
     }
 
-    /// An agent at `agent_url` pushed pairs with these decode engines.
-    pub fn learn<'a>(&mut self, agent_url: &str, decode_engine_ids: impl Iterator<Item = &'a str>) {
+    /// An agent at `agent_url` pushed pairs with these decode engines at
+    /// `now_ms` (one marked unmanaged is not learned before its time).
+    pub fn learn<'a>(
+        &mut self,
+        agent_url: &str,
+        decode_engine_ids: impl Iterator<Item = &'a str>,
+        now_ms: u64,
+    ) {
+        self.unmanaged.retain(|_, until| *until > now_ms);
         for d in decode_engine_ids {
+            if self.unmanaged.contains_key(d) {
+                continue;
+            }
             if self.agents.get(d).map(String::as_str) != Some(agent_url) {
                 self.agents.insert(d.to_string(), agent_url.to_string());
             }
@@ -449,10 +476,20 @@ mod tests {
             (None, 0),
             "no agent: counted only"
         );
-        r.learn("http://a:9470", ["d0"].into_iter());
+        r.learn("http://a:9470", ["d0"].into_iter(), 0);
         let j = r.release(&k, "d0", &turn("r1"), Cause::Lru).unwrap();
         assert_eq!(j.agent_url.as_deref(), Some("http://a:9470"));
         assert_eq!((j.request_id.as_str(), j.cause), ("r1", Cause::Lru));
+        // The agent hosts no d0 (stock vLLM): counted only for a while.
+        r.mark_unmanaged("d0", 1_000);
+        r.learn("http://a:9470", ["d0"].into_iter(), 2_000);
+        assert_eq!(r.agent_of("d0"), None);
+        r.learn(
+            "http://a:9470",
+            ["d0"].into_iter(),
+            1_000 + UNMANAGED_FOR_MS,
+        );
+        assert_eq!(r.agent_of("d0"), Some("http://a:9470"));
         // Early release alone never sizes leases.
         assert_eq!(r.stored(&k, "d0", &turn("r2"), 500.0, 0), None);
     }
@@ -460,7 +497,7 @@ mod tests {
     #[test]
     fn adaptive_leases_follow_the_gaps_then_renew_or_release() {
         let mut r = Retention::new(cfg(RetentionMode::Adaptive));
-        r.learn("http://a:9470", ["d0"].into_iter());
+        r.learn("http://a:9470", ["d0"].into_iter(), 0);
         let max = r.config().max_hold_ms;
         // No history: the whole cap.
         let k = ConvKey::new("t", "c0");

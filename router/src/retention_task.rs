@@ -28,6 +28,8 @@ pub const QUEUE: usize = 4096;
 const IN_FLIGHT: usize = 16;
 /// Period of the renew / release tick, ms.
 const TICK_MS: u64 = 250;
+/// The error of a 404: no agent hosts the engine.
+const NOT_HOSTED: &str = "no agent hosts this engine";
 /// Timeout of one POST to an agent, ms.
 const POST_TIMEOUT_MS: u64 = 2_000;
 
@@ -166,6 +168,10 @@ impl AppState {
                     .await
                     .map_err(|e| (false, e.to_string()));
             }
+            if status == reqwest::StatusCode::NOT_FOUND {
+                // No agent hosts that engine (stock vLLM behind an agent).
+                return Err((false, NOT_HOSTED.to_string()));
+            }
             let text = resp.text().await.unwrap_or_default();
             Err((status.is_server_error(), format!("HTTP {status}: {text}")))
         };
@@ -186,6 +192,13 @@ impl AppState {
             Ok(RetentionAnswer::Deferred { .. }) => "deferred",
             Ok(RetentionAnswer::Kept { .. }) => "kept",
             Ok(RetentionAnswer::Unknown) => "unknown",
+            Err(e) if e.ends_with(NOT_HOSTED) => {
+                let now = self.now_ms();
+                self.retention
+                    .lock()
+                    .mark_unmanaged(&job.decode_engine_id, now);
+                "unmanaged"
+            }
             Err(e) => {
                 debug!(engine_id = %job.decode_engine_id, request_id = %job.request_id, error = %e, "retention decision not applied");
                 "error"

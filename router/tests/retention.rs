@@ -63,7 +63,9 @@ async fn without_an_agent_decisions_are_counted_and_delete_is_scoped() {
 /// What the stand-in agent received: (bearer, body).
 type Seen = Arc<Mutex<Vec<(Option<String>, Value)>>>;
 
-async fn stand_in_agent() -> (String, Seen) {
+/// A stand-in agent; `hosts_d` false: it answers 404 `unknown_engine` as
+/// an agent in front of stock vLLM does.
+async fn stand_in_agent(hosts_d: bool) -> (String, Seen) {
     let seen: Seen = Arc::default();
     let s2 = seen.clone();
     let app = axum::Router::new().route(
@@ -77,11 +79,15 @@ async fn stand_in_agent() -> (String, Seen) {
                     .map(|v| v.trim_start_matches("Bearer ").to_string());
                 let keep = b["keep_ms"].as_u64().unwrap_or(0);
                 s2.lock().push((bearer, b));
-                Json(if keep == 0 {
+                let body = if !hosts_d {
+                    json!({"kind": "unknown_engine", "message": "engine_id `d0`: no known agent hosts it"})
+                } else if keep == 0 {
                     json!({"outcome": "released", "blocks": 3})
                 } else {
                     json!({"outcome": "kept", "expires_in_ms": keep + 5000})
-                })
+                };
+                let code = if hosts_d { 200 } else { 404 };
+                (axum::http::StatusCode::from_u16(code).unwrap(), Json(body))
             }
         }),
     );
@@ -91,10 +97,71 @@ async fn stand_in_agent() -> (String, Seen) {
     (url, seen)
 }
 
+fn push_with(agent: &str, seq: u64) -> ThresholdUpdate {
+    ThresholdUpdate {
+        agent_id: "node-a".into(),
+        seq,
+        pairs: vec![PairThreshold {
+            prefill_engine_id: "p0".into(),
+            decode_engine_id: "d0".into(),
+            threshold_tokens: 64,
+            valid_for_ms: 600_000,
+            model: None,
+        }],
+        agent_url: Some(agent.to_string()),
+    }
+}
+
+async fn push(c: &Cluster, u: &ThresholdUpdate) {
+    let r = c
+        .http
+        .put(format!(
+            "{}{}",
+            c.router.url(),
+            kvloop_router_api::THRESHOLDS_PATH
+        ))
+        .bearer_auth(TOKEN)
+        .json(u)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+}
+
+#[tokio::test]
+async fn an_agent_that_hosts_no_decode_engine_makes_it_unmanaged_for_a_while() {
+    let c = Cluster::start(Opts::default()).await;
+    let (agent, seen) = stand_in_agent(false).await;
+    push(&c, &push_with(&agent, 1)).await;
+    first_turn(&c, None, "conv-u").await;
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while c.get_json_auth("/admin/retention").await["agents"]
+        .as_object()
+        .is_some_and(|m| !m.is_empty())
+        && std::time::Instant::now() < end
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The next push does not make the router ask again (for a minute).
+    push(&c, &push_with(&agent, 2)).await;
+    first_turn(&c, None, "conv-v").await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(seen.lock().len(), 1, "asked once, then not again");
+    // The 404 is counted as unmanaged; without an agent no lease is sized
+    // (releases are still counted: the first test).
+    assert_eq!(
+        c.metric(
+            r#"kvloop_router_retention_total{action="keep",cause="first_lease",result="unmanaged"}"#
+        )
+        .await,
+        1.0
+    );
+}
+
 #[tokio::test]
 async fn a_pushing_agent_gets_first_leases_and_releases() {
     let c = Cluster::start(Opts::default()).await;
-    let (agent, seen) = stand_in_agent().await;
+    let (agent, seen) = stand_in_agent(true).await;
     let push = ThresholdUpdate {
         agent_id: "node-a".into(),
         seq: 1,
