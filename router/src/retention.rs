@@ -302,7 +302,16 @@ impl Retention {
         turn: &StoredTurn,
         cause: Cause,
     ) -> Option<Job> {
-        self.held.remove(key);
+        let request_id = turn.params.remote_request_id();
+        // Stop following it (not a newer turn of the same conversation that
+        // replaced it).
+        if self
+            .held
+            .get(key)
+            .is_some_and(|h| Some(&h.request_id) == request_id.as_ref())
+        {
+            self.held.remove(key);
+        }
         if !self.policy.releases_early() {
             return None;
         }
@@ -313,7 +322,7 @@ impl Retention {
             cost_ms: 0.0,
             agent_url: self.agent_of(decode_engine_id).map(str::to_string),
             decode_engine_id: decode_engine_id.to_string(),
-            request_id: turn.params.remote_request_id()?,
+            request_id: request_id?,
             keep_ms: 0,
             cause,
         })
@@ -522,6 +531,14 @@ mod tests {
         let (key, rel) = due.iter().find(|(key, _)| key == &k).unwrap();
         assert_eq!((key, rel.keep_ms, rel.cause), (&k, 0, Cause::NotRenewed));
         assert_eq!(rel.request_id, "r9");
+        // A turn replaced by a newer one: the newer one stays followed.
+        let k = ConvKey::new("t", "rep");
+        r.stored(&k, "d0", &turn("old"), 500.0, 300_000).unwrap();
+        r.stored(&k, "d0", &turn("new"), 500.0, 300_001).unwrap();
+        let n = r.followed();
+        let rel = r.release(&k, "d0", &turn("old"), Cause::Replaced).unwrap();
+        assert_eq!(rel.request_id, "old");
+        assert_eq!(r.followed(), n, "the newer turn is still followed");
         // A conversation with history uses its own previous gap.
         let k = ConvKey::new("t", "g1");
         let j = r.stored(&k, "d0", &turn("r10"), 500.0, 200_000).unwrap();
