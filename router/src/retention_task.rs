@@ -254,7 +254,9 @@ pub fn spawn(state: &Arc<AppState>) {
             s.retention_tick().await;
         }
     });
-    if state.cfg.retention.mode == kvloop_retention::RetentionMode::Adaptive {
+    if state.cfg.retention.mode == kvloop_retention::RetentionMode::Adaptive
+        || state.cfg.policy == crate::config::Policy::PredictedTtft
+    {
         let weak = Arc::downgrade(state);
         tokio::spawn(async move {
             loop {
@@ -273,7 +275,8 @@ const KV_USAGE_POLL_MS: u64 = 1_000;
 impl AppState {
     /// Reads every decode engine's `vllm:kv_cache_usage_perc` (vLLM's
     /// gauge, 0..1; vLLM before v1: `vllm:gpu_cache_usage_perc`) from its
-    /// `/metrics`: D's KV pressure in the renew decisions.
+    /// `/metrics`: D's KV pressure in the renew decisions, and D's load in
+    /// the selection (`policy = "predicted_ttft"`).
     async fn poll_kv_usage(&self) {
         for &i in &self.decode_idx {
             let usage = self.engine_get(i, "/metrics").await.and_then(|b| {
@@ -283,6 +286,7 @@ impl AppState {
             });
             let now = self.now_ms();
             let d = self.engine_id(i);
+            self.load.set_kv_usage(i, usage);
             self.retention.lock().set_kv_usage(&d, usage, now);
         }
     }

@@ -20,6 +20,9 @@ struct Engine {
     /// (`vllm:num_requests_waiting` + `vllm:num_requests_running`);
     /// `u32::MAX`: not reported.
     reported_requests: AtomicU32,
+    /// f64 bits of the KV cache usage (0..1) the engine last reported
+    /// (`vllm:kv_cache_usage_perc`); `u64::MAX`: not reported.
+    kv_usage_bits: AtomicU64,
 }
 
 /// Per-engine load counters, shared by the request tasks.
@@ -69,6 +72,7 @@ impl LoadBook {
             engines: (0..n)
                 .map(|_| Engine {
                     reported_requests: AtomicU32::new(u32::MAX),
+                    kv_usage_bits: AtomicU64::new(u64::MAX),
                     ..Engine::default()
                 })
                 .collect(),
@@ -192,6 +196,25 @@ impl LoadBook {
         Some(own.max(reported))
     }
 
+    /// Records the KV cache usage `engine` reported (0..1; `None`: not
+    /// reported, e.g. the scrape failed).
+    pub fn set_kv_usage(&self, engine: u16, usage: Option<f64>) {
+        if let Some(e) = self.engines.get(usize::from(engine)) {
+            let bits = usage.map_or(u64::MAX, |u| u.clamp(0.0, 1.0).to_bits());
+            e.kv_usage_bits.store(bits, Ordering::Relaxed);
+        }
+    }
+
+    /// The KV cache usage `engine` last reported (0..1).
+    pub fn kv_usage(&self, engine: u16) -> Option<f64> {
+        let b = self
+            .engines
+            .get(usize::from(engine))?
+            .kv_usage_bits
+            .load(Ordering::Relaxed);
+        (b != u64::MAX).then(|| f64::from_bits(b))
+    }
+
     /// In-flight decode streams on `engine`.
     pub fn inflight_decode_streams(&self, engine: u16) -> u32 {
         self.engines
@@ -229,6 +252,13 @@ mod tests {
         assert_eq!(b.outstanding_prefill_tokens(0), 0);
         assert_eq!(b.inflight_decode_streams(2), 0);
         let _ = b.begin_prefill(9, 5, None); // unknown index: ignored
+        assert_eq!(b.kv_usage(2), None, "not reported");
+        b.set_kv_usage(2, Some(0.42));
+        assert_eq!(b.kv_usage(2), Some(0.42));
+        b.set_kv_usage(2, Some(7.0));
+        assert_eq!(b.kv_usage(2), Some(1.0), "clamped");
+        b.set_kv_usage(2, None);
+        assert_eq!(b.kv_usage(2), None);
     }
 
     #[test]

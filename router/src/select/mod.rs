@@ -26,9 +26,9 @@
 //!   with `a = prefill_ms_per_token`, `b = prefill_ms_per_token_ctx` of P's
 //!   model (`kvloop_router_api::CostModelCoefficients`). The option with the
 //!   lowest prediction wins; ties go to the shorter queue, then round-robin
-//!   order. D is chosen by load: not full (`free_kv_blocks` 0 where
-//!   reported), fewest in-flight decode streams, most free KV blocks, then
-//!   round-robin order. Where a healthy P has no valid model (none pushed,
+//!   order. D is chosen by load: not full (KV usage at least
+//!   [`FULL_KV_USAGE`] where reported), fewest in-flight decode streams,
+//!   lowest reported KV usage, then round-robin order. Where a healthy P has no valid model (none pushed,
 //!   lapsed, or confidence below [`SELECT_MIN_CONFIDENCE`]), or a pull is
 //!   possible and the (P, previous D) model is missing, predictions cannot be
 //!   compared: the turn falls back to round robin and the threshold rule
@@ -47,9 +47,8 @@
 //! (`prompt − reused`) on P until P answers, one decode stream on D until the
 //! relay ends. Every routed turn becomes a [`crate::explain::RouteRecord`]:
 //! debug log line, `kvloop_router_selections_total`, the optional
-//! `x-kvloop-route` header and `GET /admin/routes`. Not yet: free KV blocks
-//! reported by engines (`DecodeView::free_kv_blocks` is `None` on the
-//! request path).
+//! `x-kvloop-route` header and `GET /admin/routes`. D's KV usage comes
+//! from its `/metrics` (`crate::retention_task`'s poll, every second).
 pub mod load;
 pub mod route;
 
@@ -85,8 +84,18 @@ pub struct DecodeView {
     pub healthy: bool,
     /// Decode streams in flight (router's own count).
     pub inflight_streams: u32,
-    /// Free KV blocks, where the engine reports them.
-    pub free_kv_blocks: Option<u64>,
+    /// KV cache usage, 0..1, where the engine reports it
+    /// (`vllm:kv_cache_usage_perc`, read every second).
+    pub kv_usage: Option<f64>,
+}
+
+/// A decode engine at or above this KV usage counts as full (vLLM
+/// preempts requests when it cannot allocate blocks).
+pub const FULL_KV_USAGE: f64 = 0.99;
+
+/// Order of KV usage: lower first, unreported last.
+fn usage_rank(u: Option<f64>) -> u32 {
+    u.map_or(u32::MAX, |u| (u.clamp(0.0, 1.0) * 1e6) as u32)
 }
 
 /// The turn to place.
@@ -211,9 +220,9 @@ fn pick_decode(decode: &[DecodeView], rr: u64) -> Option<u16> {
         .filter(|(_, d)| d.healthy)
         .min_by_key(|(i, d)| {
             (
-                d.free_kv_blocks == Some(0),
+                d.kv_usage.is_some_and(|u| u >= FULL_KV_USAGE),
                 d.inflight_streams,
-                std::cmp::Reverse(d.free_kv_blocks.unwrap_or(0)),
+                usage_rank(d.kv_usage),
                 rr_rank(*i, n, rr),
             )
         })

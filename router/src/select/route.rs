@@ -130,7 +130,7 @@ pub fn place_with_load(
             index,
             healthy: healthy(index),
             inflight_streams: load.inflight_decode_streams(index),
-            free_kv_blocks: None,
+            kv_usage: load.kv_usage(index),
         })
         .collect();
     place(
@@ -216,7 +216,7 @@ mod tests {
             index: 2,
             healthy: true,
             inflight_streams: 0,
-            free_kv_blocks: None,
+            kv_usage: None,
         };
         ([p(0), p(1)], [d])
     }

@@ -33,12 +33,12 @@ fn p(index: u16, outstanding_tokens: u64) -> PrefillView {
     }
 }
 
-fn d(index: u16, inflight_streams: u32, free_kv_blocks: Option<u64>) -> DecodeView {
+fn d(index: u16, inflight_streams: u32, kv_usage: Option<f64>) -> DecodeView {
     DecodeView {
         index,
         healthy: true,
         inflight_streams,
-        free_kv_blocks,
+        kv_usage,
     }
 }
 
@@ -250,16 +250,12 @@ fn decode_engine_by_load() {
     };
     let mut ds = vec![
         d(1, 3, None),
-        d(2, 1, Some(0)),
-        d(3, 1, Some(10)),
+        d(2, 1, Some(1.0)),
+        d(3, 1, Some(0.1)),
         d(4, 1, None),
-        d(5, 1, Some(4)),
+        d(5, 1, Some(0.6)),
     ];
-    assert_eq!(
-        pick(&ds, 0),
-        3,
-        "fewest streams, not full, most free blocks"
-    );
+    assert_eq!(pick(&ds, 0), 3, "fewest streams, not full, lowest KV usage");
     ds[2].healthy = false;
     assert_eq!(pick(&ds, 0), 5);
     ds[4].healthy = false;
@@ -321,7 +317,7 @@ fn every_decision_is_explained() {
 #[test]
 fn selection_is_deterministic() {
     let ps = [p(0, 123), p(1, 77), p(2, 0)];
-    let ds = [d(3, 2, Some(5)), d(4, 2, Some(5))];
+    let ds = [d(3, 2, Some(0.5)), d(4, 2, Some(0.5))];
     let run = || {
         select(
             Policy::PredictedTtft,
