@@ -78,6 +78,20 @@ fn err(code: StatusCode, e: ApiError) -> Response {
     (code, Json(e)).into_response()
 }
 
+/// `400` naming `version` unless the caller speaks [`API_VERSION`].
+fn check_version(version: u32) -> Result<(), Box<Response>> {
+    if version == API_VERSION {
+        return Ok(());
+    }
+    Err(Box::new(err(
+        StatusCode::BAD_REQUEST,
+        ApiError::new(
+            ErrorKind::Version,
+            format!("version: agent speaks {API_VERSION}, got {version}"),
+        ),
+    )))
+}
+
 async fn renew(
     State(s): State<Arc<HttpState>>,
     body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
@@ -108,14 +122,8 @@ async fn renew(
             );
         }
     };
-    if r.version != API_VERSION {
-        return err(
-            StatusCode::BAD_REQUEST,
-            ApiError::new(
-                ErrorKind::Version,
-                format!("version: agent speaks {API_VERSION}, got {}", r.version),
-            ),
-        );
+    if let Err(e) = check_version(r.version) {
+        return *e;
     }
     match s.agent.renew_local(&r.engine_id, &r.request_id, r.lease_ms) {
         Ok(i) => Json(i).into_response(),
@@ -157,14 +165,8 @@ async fn retention(
             );
         }
     };
-    if r.version != API_VERSION {
-        return err(
-            StatusCode::BAD_REQUEST,
-            ApiError::new(
-                ErrorKind::Version,
-                format!("version: agent speaks {API_VERSION}, got {}", r.version),
-            ),
-        );
+    if let Err(e) = check_version(r.version) {
+        return *e;
     }
     match s.agent.retention(&r, bearer).await {
         Ok(a) => Json(a).into_response(),

@@ -266,17 +266,9 @@ pub async fn get_routes(
     if !authorized(&s, &headers) {
         return unauthorized();
     }
-    let n = match q.get("n").map(|v| v.parse::<usize>()) {
-        None => 50,
-        Some(Ok(n)) => n.min(crate::explain::RECENT_ROUTES),
-        Some(Err(_)) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                Some("n"),
-                "query `n`: expected a non-negative integer",
-            );
-        }
+    let n = match query_n(q.get("n").copied(), crate::explain::RECENT_ROUTES) {
+        Ok(n) => n,
+        Err(r) => return *r,
     };
     let routes = s.routes.lock().last(n, q.get("request_id").copied());
     Json(json!({"policy": s.cfg.policy.as_str(), "routes": routes})).into_response()
@@ -294,24 +286,31 @@ pub async fn get_retention(
     if !authorized(&s, &headers) {
         return unauthorized();
     }
-    let n = match raw
+    let n = raw
         .as_deref()
         .unwrap_or("")
         .split('&')
         .filter_map(|kv| kv.split_once('='))
         .find(|(k, _)| *k == "n")
-        .map(|(_, v)| v.parse::<usize>())
-    {
-        None => 50,
-        Some(Ok(n)) => n.min(crate::retention::RECENT_DECISIONS),
-        Some(Err(_)) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                Some("n"),
-                "query `n`: expected a non-negative integer",
-            );
-        }
+        .map(|(_, v)| v);
+    let n = match query_n(n, crate::retention::RECENT_DECISIONS) {
+        Ok(n) => n,
+        Err(r) => return *r,
     };
     Json(s.retention.lock().snapshot(n)).into_response()
+}
+
+/// Query `n`: 50 when absent, at most `max`; `400` naming it when it is not
+/// a non-negative integer.
+fn query_n(v: Option<&str>, max: usize) -> Result<usize, Box<Response>> {
+    match v.map(str::parse::<usize>) {
+        None => Ok(50.min(max)),
+        Some(Ok(n)) => Ok(n.min(max)),
+        Some(Err(_)) => Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("n"),
+            "query `n`: expected a non-negative integer",
+        ))),
+    }
 }

@@ -16,26 +16,8 @@ use crate::state::AppState;
 pub fn queue_requests(text: &str) -> Option<u32> {
     let mut seen = false;
     let mut sum = 0.0f64;
-    for line in text.lines() {
-        let Some(rest) = line
-            .strip_prefix("vllm:num_requests_waiting")
-            .or_else(|| line.strip_prefix("vllm:num_requests_running"))
-        else {
-            continue;
-        };
-        // The name must end here: a label set or a space follows.
-        let rest = match rest.chars().next() {
-            Some('{') => rest.split_once('}').map_or("", |(_, v)| v),
-            Some(' ') => rest,
-            _ => continue,
-        };
-        if let Some(v) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-            && v.is_finite()
-            && v >= 0.0
-        {
+    for name in ["vllm:num_requests_waiting", "vllm:num_requests_running"] {
+        for v in samples(text, name).filter(|v| v.is_finite() && *v >= 0.0) {
             sum += v;
             seen = true;
         }
@@ -43,30 +25,28 @@ pub fn queue_requests(text: &str) -> Option<u32> {
     seen.then(|| sum.round().min(f64::from(u32::MAX - 1)) as u32)
 }
 
+/// The values of every sample of metric `name` (any label set) in
+/// Prometheus text; a line of another metric whose name starts with `name`
+/// is not one (a label set or a space must follow the name).
+fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = f64> + 'a {
+    text.lines().filter_map(move |line| {
+        let rest = line.strip_prefix(name)?;
+        let rest = match rest.chars().next() {
+            Some('{') => rest.split_once('}').map_or("", |(_, v)| v),
+            Some(' ') => rest,
+            _ => return None,
+        };
+        rest.split_whitespace().next()?.parse::<f64>().ok()
+    })
+}
+
 /// The largest sample of gauge `name` (any label set) in Prometheus text,
 /// finite and in `0..=1`; `None` when absent. Used for D's KV usage
 /// (`vllm:kv_cache_usage_perc`, vLLM's name and range, 1 = 100 %).
 pub fn fraction_gauge(text: &str, name: &str) -> Option<f64> {
-    let mut best: Option<f64> = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let rest = match rest.chars().next() {
-            Some('{') => rest.split_once('}').map_or("", |(_, v)| v),
-            Some(' ') => rest,
-            _ => continue,
-        };
-        if let Some(v) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-            && (0.0..=1.0).contains(&v)
-        {
-            best = Some(best.map_or(v, |b: f64| b.max(v)));
-        }
-    }
-    best
+    samples(text, name)
+        .filter(|v| (0.0..=1.0).contains(v))
+        .reduce(f64::max)
 }
 
 impl AppState {

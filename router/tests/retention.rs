@@ -162,31 +162,7 @@ async fn an_agent_that_hosts_no_decode_engine_makes_it_unmanaged_for_a_while() {
 async fn a_pushing_agent_gets_first_leases_and_releases() {
     let c = Cluster::start(Opts::default()).await;
     let (agent, seen) = stand_in_agent(true).await;
-    let push = ThresholdUpdate {
-        agent_id: "node-a".into(),
-        seq: 1,
-        pairs: vec![PairThreshold {
-            prefill_engine_id: "p0".into(),
-            decode_engine_id: "d0".into(),
-            threshold_tokens: 64,
-            valid_for_ms: 600_000,
-            model: None,
-        }],
-        agent_url: Some(agent.clone()),
-    };
-    let r = c
-        .http
-        .put(format!(
-            "{}{}",
-            c.router.url(),
-            kvloop_router_api::THRESHOLDS_PATH
-        ))
-        .bearer_auth(TOKEN)
-        .json(&push)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
+    push(&c, &push_with(&agent, 1)).await;
     // Turn 1 is stored: its first lease (no gaps yet: the whole cap).
     let m2 = first_turn(&c, None, "conv-a").await;
     // Turn 2 does not extend turn 1 (another history): turn 1's hold is

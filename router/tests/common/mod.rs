@@ -120,27 +120,20 @@ impl Cluster {
 
     /// `GET <router><path>` as JSON.
     pub async fn get_json(&self, path: &str) -> Value {
-        self.http
-            .get(format!("{}{path}", self.router.url()))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.get_json_as(path, None).await
     }
 
     /// `GET <router><path>` as JSON, with the admin token.
     pub async fn get_json_auth(&self, path: &str) -> Value {
-        self.http
-            .get(format!("{}{path}", self.router.url()))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.get_json_as(path, Some(TOKEN)).await
+    }
+
+    async fn get_json_as(&self, path: &str, token: Option<&str>) -> Value {
+        let mut r = self.http.get(format!("{}{path}", self.router.url()));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send().await.unwrap().json().await.unwrap()
     }
 
     pub async fn metric(&self, series: &str) -> f64 {
