@@ -144,7 +144,7 @@ async fn retention(
         return err(
             StatusCode::UNAUTHORIZED,
             ApiError::new(
-                ErrorKind::BadRequest,
+                ErrorKind::Forbidden,
                 "Authorization: expected `Bearer <token>` of one of routers[] (the router's admin_token)",
             ),
         );

@@ -6,6 +6,7 @@
 //! declines the READ; a second agent process exits cleanly on SIGTERM.
 mod common;
 
+use serde_json::json;
 use std::time::Duration;
 
 use common::{AgentProc, free_port};
@@ -290,6 +291,95 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         }
     }
     assert!(expired, "the short lease expired and d0 was told");
+
+    // The router releases a hold (issue 15) through agent A, which does not
+    // host d0 and forwards the decision to B: a READ of it after that is
+    // declined, the destination untouched, and d0 is told (reason router).
+    db.retain("d0", "req-rel", vec![9], Some(60_000))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("http://{}/v1/leases/retention", a.http);
+    let release = json!({"version": 1, "engine_id": "d0", "request_id": "req-rel", "keep_ms": 0});
+    // Unauthenticated: refused (agent A pushes to a router with token "t").
+    let anon = http.post(&url).json(&release).send().await.unwrap();
+    assert_eq!(anon.status(), 401);
+    let r: serde_json::Value = http
+        .post(&url)
+        .bearer_auth("t")
+        .json(&release)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r, json!({"outcome": "released", "blocks": 1}), "{r}");
+    let again: serde_json::Value = http
+        .post(&url)
+        .bearer_auth("t")
+        .json(&release)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        json!({"outcome": "unknown"}),
+        "at least once: a repeat is a no-op"
+    );
+    let e = pa
+        .read(
+            "p0",
+            "d0",
+            vec![BlockPair {
+                remote: 9,
+                local: 8,
+            }],
+            ReadDirection::D2p,
+            Some(("req-rel", 1)),
+            true,
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, ClientError::Api(a) if a.kind.as_str() == "lease"),
+        "{e}"
+    );
+    let mut after_release = vec![0u8; BLOCK as usize];
+    p_mem[0].read_at((8 * BLOCK) as usize, &mut after_release);
+    assert_eq!(before, after_release, "a released hold is never read");
+    let mut told = false;
+    for _ in 0..30 {
+        if d_events.events("d0", 200).await.unwrap().iter().any(|e| {
+            matches!(e, EngineEvent::Released(r) if r.request_id == "req-rel" && r.reason == ReleaseReason::Router)
+        }) {
+            told = true;
+            break;
+        }
+    }
+    assert!(told, "d0 was told its hold was released by the router");
+    // Bad input names the field; an engine nobody hosts is a 404.
+    let bad = http
+        .post(&url)
+        .bearer_auth("t")
+        .json(&json!({"version": 1, "engine_id": "d0"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    assert!(bad.text().await.unwrap().contains("request_id"));
+    let nobody = http
+        .post(&url)
+        .bearer_auth("t")
+        .json(&json!({"version": 1, "engine_id": "d9", "request_id": "x", "keep_ms": 0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(nobody.status(), 404);
 
     // Metrics and health over HTTP.
     let m = reqwest::get(format!("http://{}/metrics", a.http))

@@ -330,7 +330,8 @@ pub enum ErrorKind {
     LeaseInUse,
     /// Protocol versions differ.
     Version,
-    /// The caller's uid may not use the agent.
+    /// The caller may not use the agent (its uid; or, on the HTTP API, a
+    /// bearer token that is none of `routers[].token`).
     Forbidden,
     /// The agent failed internally.
     Internal,
