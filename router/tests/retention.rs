@@ -199,18 +199,17 @@ async fn a_pushing_agent_gets_first_leases_and_releases() {
         releases[0]["request_id"], keeps[0]["request_id"],
         "turn 1's hold released"
     );
+    // The router counts each once the agent's answer is back.
     let m = |s: &str| format!("kvloop_router_retention_total{{{s}}}");
-    assert_eq!(
-        c.metric(&m(
-            r#"action="release",cause="prefix_mismatch",result="released""#
-        ))
-        .await,
-        1.0
-    );
-    assert_eq!(
-        c.metric(&m(r#"action="keep",cause="first_lease",result="kept""#))
-            .await,
-        2.0
-    );
+    let released = m(r#"action="release",cause="prefix_mismatch",result="released""#);
+    let kept = m(r#"action="keep",cause="first_lease",result="kept""#);
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while (c.metric(&released).await < 1.0 || c.metric(&kept).await < 2.0)
+        && std::time::Instant::now() < end
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(c.metric(&released).await, 1.0);
+    assert_eq!(c.metric(&kept).await, 2.0);
     drop(m2);
 }

@@ -19,6 +19,7 @@ fn doctor_ping_and_top_against_a_held_demo() {
     require_root(name);
     require_tool(name, "timeout", "coreutils");
     require_tool(name, "curl", "curl");
+    require_tool(name, "nsenter", "util-linux");
     bin("kvloop-engine-sim");
     bin("kvloop-router");
     bin("kvloop-agent");
@@ -174,22 +175,23 @@ fn doctor_ping_and_top_against_a_held_demo() {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
+    // Both sides count once the agent's answer is back (bounded wait).
     let end = std::time::Instant::now() + Duration::from_secs(20);
-    let released = loop {
-        let n = metric(
+    let (released, routed) = loop {
+        let released = metric(
             &format!("http://{agent_b}"),
             r#"kvloop_agent_retention_total{action="release",outcome="released"}"#,
         );
-        if n >= 1.0 || std::time::Instant::now() > end {
-            break n;
+        let routed = metric(
+            &router,
+            r#"kvloop_router_retention_total{action="release",cause="ended",result="released"}"#,
+        );
+        if (released >= 1.0 && routed >= 1.0) || std::time::Instant::now() > end {
+            break (released, routed);
         }
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(released >= 1.0, "agent B released no hold");
-    let routed = metric(
-        &router,
-        r#"kvloop_router_retention_total{action="release",cause="ended",result="released"}"#,
-    );
     assert_eq!(routed, 1.0, "the router counted the release it sent");
     // Every stored turn got a first lease, applied by D's agent.
     let kept = metric(
