@@ -73,6 +73,8 @@ impl Cause {
 /// (0: release it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Job {
+    /// The conversation.
+    pub key: ConvKey,
     /// `tenant/conversation_id`.
     pub conversation: String,
     /// The policy's reason (`no_history`, `tenant_gaps`,
@@ -181,6 +183,18 @@ impl Retention {
             recent: std::collections::VecDeque::new(),
             kv_usage: HashMap::new(),
             unmanaged: HashMap::new(),
+        }
+    }
+
+    /// The agent no longer holds `request_id` of `key` (read and released
+    /// by its next turn on another replica, expired): stop following it.
+    pub fn forget(&mut self, key: &ConvKey, request_id: &str) {
+        if self
+            .held
+            .get(key)
+            .is_some_and(|h| h.request_id == request_id)
+        {
+            self.held.remove(key);
         }
     }
 
@@ -316,6 +330,7 @@ impl Retention {
             return None;
         }
         Some(Job {
+            key: key.clone(),
             conversation: conversation(key),
             reason: cause.as_str(),
             value_ms: 0.0,
@@ -383,6 +398,7 @@ impl Retention {
             },
         );
         Some(Job {
+            key: key.clone(),
             conversation: conversation(key),
             reason: v.reason.as_str(),
             value_ms: v.value_ms,
@@ -419,7 +435,9 @@ impl Retention {
             let v = self.policy.renew(self.gaps.get(key.tenant()), &facts);
             let agent_url = self.agent_of(&h.decode_engine_id).map(str::to_string);
             let conv = conversation(&key);
+            let k2 = key.clone();
             let job = |keep_ms, cause| Job {
+                key: k2.clone(),
                 conversation: conv.clone(),
                 reason: v.reason.as_str(),
                 value_ms: v.value_ms,
@@ -539,6 +557,11 @@ mod tests {
         let rel = r.release(&k, "d0", &turn("old"), Cause::Replaced).unwrap();
         assert_eq!(rel.request_id, "old");
         assert_eq!(r.followed(), n, "the newer turn is still followed");
+        // A kept hold the agent no longer has is not followed any more.
+        r.forget(&k, "other");
+        assert_eq!(r.followed(), n, "another request id: kept");
+        r.forget(&k, "new");
+        assert_eq!(r.followed(), n - 1);
         // A conversation with history uses its own previous gap.
         let k = ConvKey::new("t", "g1");
         let j = r.stored(&k, "d0", &turn("r10"), 500.0, 200_000).unwrap();

@@ -191,7 +191,12 @@ impl AppState {
             Ok(RetentionAnswer::Released { .. }) => "released",
             Ok(RetentionAnswer::Deferred { .. }) => "deferred",
             Ok(RetentionAnswer::Kept { .. }) => "kept",
-            Ok(RetentionAnswer::Unknown) => "unknown",
+            Ok(RetentionAnswer::Unknown) => {
+                // Nothing held there any more (its next turn, on another
+                // replica, read it; or it expired): stop renewing it.
+                self.retention.lock().forget(&job.key, &job.request_id);
+                "unknown"
+            }
             Err(e) if e.ends_with(NOT_HOSTED) => {
                 let now = self.now_ms();
                 self.retention
