@@ -269,6 +269,7 @@ impl Retention {
             "followed": self.held.len(),
             "kv_usage": self.kv_usage.iter().map(|(d, (u, _))| (d.clone(), *u)).collect::<std::collections::BTreeMap<_, _>>(),
             "decisions": self.recent.iter().skip(skip).collect::<Vec<_>>(),
+            "decisions_kept": self.recent.len(),
         })
     }
 

@@ -215,14 +215,14 @@ fn doctor_ping_and_top_against_a_held_demo() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{text}");
     assert!(text.contains("retention adaptive"), "{text}");
-    assert!(text.contains("agent of d0: http://"), "{text}");
+    assert!(text.contains("decisions about d0 go to http://"), "{text}");
     assert!(
         text.contains("KV usage of d0: "),
         "D reports its KV usage: {text}"
     );
     assert!(
         text.lines()
-            .any(|l| l.contains("release of d0") && l.contains("ended (ended) → released")),
+            .any(|l| l.contains("release: D d0") && l.contains("ended (ended) → released")),
         "{text}"
     );
     assert!(

@@ -233,7 +233,7 @@ fn retention_text(v: &serde_json::Value) -> String {
         })
     };
     let mut o = format!(
-        "retention {}: max hold {} ms, min lease {} ms, first lease = p{} of the tenant's gaps or the conversation's last gap × {}, {} gaps before; cost {} ms per block-second at half-full KV\n",
+        "retention {}: max hold {} ms, min lease {} ms; first lease = p{} of the tenant's gaps or the conversation's last gap × {}, once a tenant has {} gaps (the max hold until then); cost {} ms per block-second at half-full KV\n",
         c["mode"].as_str().unwrap_or("-"),
         f(&c["max_hold_ms"]),
         f(&c["min_lease_ms"]),
@@ -247,7 +247,10 @@ fn retention_text(v: &serde_json::Value) -> String {
     match v["agents"].as_object() {
         Some(m) if !m.is_empty() => {
             for (d, url) in m {
-                o.push_str(&format!("agent of {d}: {}\n", url.as_str().unwrap_or("-")));
+                o.push_str(&format!(
+                    "decisions about {d} go to {} (the agent that pushes its pair; it forwards them to the agent hosting {d})\n",
+                    url.as_str().unwrap_or("-")
+                ));
             }
         }
         _ => o.push_str("no agent known (no push with agent_url): decisions are only counted\n"),
@@ -268,6 +271,11 @@ fn retention_text(v: &serde_json::Value) -> String {
         ));
     }
     o.push_str(&format!("holds followed: {}\n", f(&v["followed"])));
+    let shown = v["decisions"].as_array().map_or(0, Vec::len);
+    o.push_str(&format!(
+        "last {shown} of {} decisions kept (--last N for more), oldest first:\n",
+        f(&v["decisions_kept"])
+    ));
     for d in v["decisions"].as_array().into_iter().flatten() {
         let s = |k: &str| d[k].as_str().unwrap_or("-").to_string();
         let what = if d["keep_ms"].as_u64() == Some(0) {
@@ -285,7 +293,7 @@ fn retention_text(v: &serde_json::Value) -> String {
             ));
         }
         o.push_str(&format!(
-            "at {} ms: {what} of {} {} ({}): {why} → {}\n",
+            "  at {} ms: {what}: D {} request {} ({}): {why} → {}\n",
             f(&d["at_ms"]),
             s("decode_engine_id"),
             s("request_id"),
@@ -304,7 +312,7 @@ mod tests {
                 "gap_quantile": 0.9, "conversation_gap_factor": 2.0, "min_gap_samples": 20, "block_second_cost_ms": 0.0005},
             "agents": {"d0": "http://10.0.0.1:9470"},
             "tenants": [{"tenant": "default", "samples": 42, "gap_p50_ms": 2100.0, "gap_p90_ms": 18300.0}],
-            "followed": 3, "kv_usage": {"d0": 0.42},
+            "followed": 3, "kv_usage": {"d0": 0.42}, "decisions_kept": 7,
             "decisions": [
                 {"at_ms": 1000, "action": "keep", "keep_ms": 16600, "cause": "first_lease", "reason": "tenant_gaps",
                  "conversation": "default/c1", "decode_engine_id": "d0", "request_id": "r1", "value_ms": 0.0, "cost_ms": 0.0, "result": "kept"},
@@ -315,7 +323,13 @@ mod tests {
             t.starts_with("retention adaptive: max hold 480000 ms"),
             "{t}"
         );
-        assert!(t.contains("agent of d0: http://10.0.0.1:9470"), "{t}");
+        assert!(
+            t.contains(
+                "decisions about d0 go to http://10.0.0.1:9470 (the agent that pushes its pair"
+            ),
+            "{t}"
+        );
+        assert!(t.contains("last 2 of 7 decisions kept"), "{t}");
         assert!(t.contains("KV usage of d0: 42 %"), "{t}");
         assert!(
             t.contains("tenant default: 42 gaps, p50 2100 ms, p90 18.3 s"),
@@ -323,11 +337,11 @@ mod tests {
         );
         assert!(
             t.contains(
-                "at 1000 ms: keep 16600 ms of d0 r1 (default/c1): first_lease (tenant_gaps) → kept"
+                "  at 1000 ms: keep 16600 ms: D d0 request r1 (default/c1): first_lease (tenant_gaps) → kept"
             ),
             "{t}"
         );
-        assert!(t.contains("release of d0 r1 (default/c1): not_renewed (not_worth), expected TTFT saved 0.400 ms against a cost of 1.250 ms → released"), "{t}");
+        assert!(t.contains("release: D d0 request r1 (default/c1): not_renewed (not_worth), expected TTFT saved 0.400 ms against a cost of 1.250 ms → released"), "{t}");
     }
 
     #[test]
