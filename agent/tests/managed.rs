@@ -304,27 +304,10 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     // Unauthenticated: refused (agent A pushes to a router with token "t").
     let anon = http.post(&url).json(&release).send().await.unwrap();
     assert_eq!(anon.status(), 401);
-    let r: serde_json::Value = http
-        .post(&url)
-        .bearer_auth("t")
-        .json(&release)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let post = |body: serde_json::Value| http.post(&url).bearer_auth("t").json(&body).send();
+    let r: serde_json::Value = post(release.clone()).await.unwrap().json().await.unwrap();
     assert_eq!(r, json!({"outcome": "released", "blocks": 1}), "{r}");
-    let again: serde_json::Value = http
-        .post(&url)
-        .bearer_auth("t")
-        .json(&release)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let again: serde_json::Value = post(release).await.unwrap().json().await.unwrap();
     assert_eq!(
         again,
         json!({"outcome": "unknown"}),
@@ -363,20 +346,12 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     }
     assert!(told, "d0 was told its hold was released by the router");
     // Bad input names the field; an engine nobody hosts is a 404.
-    let bad = http
-        .post(&url)
-        .bearer_auth("t")
-        .json(&json!({"version": 1, "engine_id": "d0"}))
-        .send()
+    let bad = post(json!({"version": 1, "engine_id": "d0"}))
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
     assert!(bad.text().await.unwrap().contains("request_id"));
-    let nobody = http
-        .post(&url)
-        .bearer_auth("t")
-        .json(&json!({"version": 1, "engine_id": "d9", "request_id": "x", "keep_ms": 0}))
-        .send()
+    let nobody = post(json!({"version": 1, "engine_id": "d9", "request_id": "x", "keep_ms": 0}))
         .await
         .unwrap();
     assert_eq!(nobody.status(), 404);
