@@ -398,6 +398,7 @@ fn store_bench() {
                 history_hash: i,
             },
             expires_at_ms: 0,
+            stored_at_unix_ms: 0,
         })
         .collect();
     let sample_json = serde_json::to_string(&d_params(0)).unwrap().len();

@@ -47,3 +47,11 @@ impl<T: Clock> Clock for Arc<T> {
         (**self).now_ms()
     }
 }
+
+/// Wall-clock time, Unix ms (0 before 1970). Only for values shared across
+/// processes (a stored turn's store time); decisions use [`Clock`].
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

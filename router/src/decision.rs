@@ -119,6 +119,7 @@ mod tests {
                 ..Default::default()
             },
             expires_at_ms: 10_000,
+            stored_at_unix_ms: 0,
         }
     }
 

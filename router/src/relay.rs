@@ -150,6 +150,7 @@ impl StoreCtx {
                 remote_num_tokens: held,
                 fingerprint: fp,
                 expires_at_ms: 0,
+                stored_at_unix_ms: crate::clock::unix_ms(),
             },
             self.prefill_engine,
         )

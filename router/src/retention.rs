@@ -346,10 +346,24 @@ impl Retention {
 
     /// The next turn of `key` took its stored turn at `now_ms`: the gap is
     /// observed (tenant and conversation), and the hold is no longer
-    /// followed (the take decides about it).
-    pub fn taken(&mut self, key: &ConvKey, now_ms: u64) {
-        if let Some(h) = self.held.remove(key) {
-            let gap = now_ms.saturating_sub(h.stored_at_ms);
+    /// followed (the take decides about it). A turn this replica did not
+    /// store (another replica on the shared store) is measured by wall
+    /// clock: `turn_stored_at_unix_ms` (0: unknown) against `now_unix_ms`.
+    pub fn taken(
+        &mut self,
+        key: &ConvKey,
+        now_ms: u64,
+        turn_stored_at_unix_ms: u64,
+        now_unix_ms: u64,
+    ) {
+        let gap = match self.held.remove(key) {
+            Some(h) => Some(now_ms.saturating_sub(h.stored_at_ms)),
+            None if turn_stored_at_unix_ms > 0 => {
+                Some(now_unix_ms.saturating_sub(turn_stored_at_unix_ms))
+            }
+            None => None,
+        };
+        if let Some(gap) = gap {
             self.gaps.record_gap(key.tenant(), gap);
             self.last_gap_ms.put(key.clone(), gap);
         }
@@ -481,6 +495,7 @@ mod tests {
             remote_num_tokens: 40,
             fingerprint: Fingerprint::default(),
             expires_at_ms: 0,
+            stored_at_unix_ms: 0,
         }
     }
 
@@ -535,7 +550,7 @@ mod tests {
         for i in 0..5u64 {
             let k = ConvKey::new("t", &format!("g{i}"));
             r.stored(&k, "d0", &turn("x"), 500.0, 1_000 * i).unwrap();
-            r.taken(&k, 1_000 * i + 2_000);
+            r.taken(&k, 1_000 * i + 2_000, 0, 0);
         }
         // A new conversation: leased from the tenant's gaps, far below the cap.
         let k = ConvKey::new("t", "new");
@@ -550,6 +565,15 @@ mod tests {
         let (key, rel) = due.iter().find(|(key, _)| key == &k).unwrap();
         assert_eq!((key, rel.keep_ms, rel.cause), (&k, 0, Cause::NotRenewed));
         assert_eq!(rel.request_id, "r9");
+        // A turn another replica stored: its gap from the shared store time.
+        let k = ConvKey::new("t", "elsewhere");
+        r.taken(&k, 0, 1_000_000, 1_003_000);
+        let j = r.stored(&k, "d0", &turn("e1"), 500.0, 150_000).unwrap();
+        assert_eq!(
+            (j.keep_ms, j.reason),
+            (6_000, "conversation_gap"),
+            "3 s gap × 2"
+        );
         // A turn replaced by a newer one: the newer one stays followed.
         let k = ConvKey::new("t", "rep");
         r.stored(&k, "d0", &turn("old"), 500.0, 300_000).unwrap();

@@ -80,8 +80,11 @@ impl AppState {
     }
 
     /// The next turn of `key` took its stored turn (the gap is observed).
-    pub(crate) fn retention_taken(&self, key: &ConvKey, now_ms: u64) {
-        self.retention.lock().taken(key, now_ms);
+    pub(crate) fn retention_taken(&self, key: &ConvKey, turn: &StoredTurn, now_ms: u64) {
+        let now_unix = crate::clock::unix_ms();
+        self.retention
+            .lock()
+            .taken(key, now_ms, turn.stored_at_unix_ms, now_unix);
     }
 
     /// A turn is being stored: its first lease (adaptive mode). The TTFT it

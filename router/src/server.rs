@@ -164,7 +164,7 @@ async fn route_inner(
     // A taken turn that this request does not pull is released below.
     let taken = match (&key, &lookup) {
         (Some(k), Lookup::Found(t)) => {
-            s.retention_taken(k, now);
+            s.retention_taken(k, t, now);
             Some(t.clone())
         }
         _ => None,

@@ -86,6 +86,7 @@ fn turn(i: u32) -> StoredTurn {
             history_hash: 7,
         },
         expires_at_ms: 0,
+        stored_at_unix_ms: 0,
     }
 }
 

@@ -172,6 +172,7 @@ mod tests {
                 ..Fingerprint::default()
             },
             expires_at_ms: 10_000,
+            stored_at_unix_ms: 0,
         })
     }
 

@@ -48,6 +48,9 @@ struct Wire<'a> {
     n: u32,
     f: (u32, u64, u32, u64),
     p: CompactParams,
+    /// Stored at, Unix ms (absent in values written before it: 0).
+    #[serde(default)]
+    s: u64,
 }
 
 /// Redis key of `key` under `prefix`.
@@ -70,6 +73,7 @@ pub fn encode(turn: &StoredTurn, decode_engine_id: &str) -> Vec<u8> {
             fp.history_hash,
         ),
         p: turn.params.clone(),
+        s: turn.stored_at_unix_ms,
     })
     .expect("serializable")
 }
@@ -105,6 +109,7 @@ pub fn decode(
             history_hash: w.f.3,
         },
         expires_at_ms: now_ms,
+        stored_at_unix_ms: w.s,
     })
 }
 
@@ -130,6 +135,7 @@ mod tests {
                 history_hash: 0x8000_0000_0000_0001,
             },
             expires_at_ms: 123,
+            stored_at_unix_ms: 1_764_000_000_123,
         }
     }
 
@@ -149,7 +155,17 @@ mod tests {
             back.params.expand("d1", 77, "h"),
             t.params.expand("d1", 77, "h")
         );
-        assert!(b.len() < 300, "{} bytes", b.len());
+        assert_eq!(back.stored_at_unix_ms, t.stored_at_unix_ms);
+        assert!(b.len() < 320, "{} bytes", b.len());
+        // A value written before the store time was carried: unknown (0).
+        let old = String::from_utf8(b)
+            .unwrap()
+            .replace(",\"s\":1764000000123", "");
+        assert!(!old.contains("\"s\""), "{old}");
+        assert_eq!(
+            decode(old.as_bytes(), 500, idx).unwrap().stored_at_unix_ms,
+            0
+        );
     }
 
     #[test]

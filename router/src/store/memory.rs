@@ -115,6 +115,7 @@ mod tests {
             remote_num_tokens: 10,
             fingerprint: Fingerprint::default(),
             expires_at_ms: 0,
+            stored_at_unix_ms: 0,
         }
     }
 

@@ -85,6 +85,11 @@ pub struct StoredTurn {
     /// Expiry on the router's clock, ms (memory backend; the Redis backend
     /// sets it to the time of the take, Redis keeping the real expiry).
     pub expires_at_ms: u64,
+    /// When it was stored, Unix ms (wall clock; 0: unknown). Carried in
+    /// the shared store so that the replica that takes the next turn can
+    /// measure the inter-turn gap of a turn another replica stored
+    /// (decode-side retention).
+    pub stored_at_unix_ms: u64,
 }
 
 /// Result of a take.
