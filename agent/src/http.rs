@@ -78,53 +78,60 @@ fn err(code: StatusCode, e: ApiError) -> Response {
     (code, Json(e)).into_response()
 }
 
-/// `400` naming `version` unless the caller speaks [`API_VERSION`].
-fn check_version(version: u32) -> Result<(), Box<Response>> {
-    if version == API_VERSION {
-        return Ok(());
-    }
-    Err(Box::new(err(
-        StatusCode::BAD_REQUEST,
-        ApiError::new(
+/// The JSON body of `POST path` as a `T` of this [`API_VERSION`]
+/// (`version_of` reads its version): else the answer to send (`400`
+/// naming the body or `version`; a refused body with its own status),
+/// and garbage is warned about (rate-limited).
+fn parse_request<T: serde::de::DeserializeOwned>(
+    path: &str,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+    version_of: impl Fn(&T) -> u32,
+) -> Result<T, Box<Response>> {
+    let refuse = |status: StatusCode, kind: ErrorKind, message: String| {
+        Box::new(err(status, ApiError::new(kind, message)))
+    };
+    let body = body.map_err(|e| {
+        garbage_warn(
+            Peer::default(),
+            &format!("HTTP POST {path} body refused: {e}"),
+        );
+        refuse(
+            e.status(),
+            ErrorKind::BadRequest,
+            format!("body: {}", e.body_text()),
+        )
+    })?;
+    let r: T = serde_json::from_slice(&body).map_err(|e| {
+        garbage_warn(
+            Peer::default(),
+            &format!("HTTP POST {path} body is not a valid request: {e}"),
+        );
+        refuse(
+            StatusCode::BAD_REQUEST,
+            ErrorKind::BadRequest,
+            format!("body: {e}"),
+        )
+    })?;
+    let version = version_of(&r);
+    if version != API_VERSION {
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
             ErrorKind::Version,
             format!("version: agent speaks {API_VERSION}, got {version}"),
-        ),
-    )))
+        ));
+    }
+    Ok(r)
 }
 
 async fn renew(
     State(s): State<Arc<HttpState>>,
     body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => {
-            garbage_warn(
-                Peer::default(),
-                &format!("HTTP POST /v1/leases/renew body refused: {e}"),
-            );
-            return err(
-                e.status(),
-                ApiError::new(ErrorKind::BadRequest, format!("body: {}", e.body_text())),
-            );
-        }
-    };
-    let r: RenewRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            garbage_warn(
-                Peer::default(),
-                &format!("HTTP POST /v1/leases/renew body is not a renew request: {e}"),
-            );
-            return err(
-                StatusCode::BAD_REQUEST,
-                ApiError::new(ErrorKind::BadRequest, format!("body: {e}")),
-            );
-        }
-    };
-    if let Err(e) = check_version(r.version) {
-        return *e;
-    }
+    let r: RenewRequest =
+        match parse_request("/v1/leases/renew", body, |r: &RenewRequest| r.version) {
+            Ok(r) => r,
+            Err(e) => return *e,
+        };
     match s.agent.renew_local(&r.engine_id, &r.request_id, r.lease_ms) {
         Ok(i) => Json(i).into_response(),
         Err(e) => err(StatusCode::CONFLICT, e),
@@ -149,25 +156,11 @@ async fn retention(
             ),
         );
     }
-    let r: RetentionRequest = match body
-        .map_err(|e| e.body_text())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-    {
-        Ok(r) => r,
-        Err(e) => {
-            garbage_warn(
-                Peer::default(),
-                &format!("HTTP POST {RETENTION_PATH} body is not a retention request: {e}"),
-            );
-            return err(
-                StatusCode::BAD_REQUEST,
-                ApiError::new(ErrorKind::BadRequest, format!("body: {e}")),
-            );
-        }
-    };
-    if let Err(e) = check_version(r.version) {
-        return *e;
-    }
+    let r: RetentionRequest =
+        match parse_request(RETENTION_PATH, body, |r: &RetentionRequest| r.version) {
+            Ok(r) => r,
+            Err(e) => return *e,
+        };
     match s.agent.retention(&r, bearer).await {
         Ok(a) => Json(a).into_response(),
         Err(e) if e.kind == ErrorKind::UnknownEngine => err(StatusCode::NOT_FOUND, e),

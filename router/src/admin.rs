@@ -136,9 +136,6 @@ pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 }
 
 pub(crate) fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
-    if s.cfg.admin_token.is_empty() {
-        return false;
-    }
     let Some(v) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -148,9 +145,7 @@ pub(crate) fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
     let Some(tok) = v.strip_prefix("Bearer ") else {
         return false;
     };
-    // constant-time comparison
-    let (a, b) = (tok.as_bytes(), s.cfg.admin_token.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    kvloop_router_api::bearer_matches(&s.cfg.admin_token, tok)
 }
 
 pub(crate) fn unauthorized() -> Response {
@@ -297,7 +292,14 @@ pub async fn get_retention(
         Ok(n) => n,
         Err(r) => return *r,
     };
-    Json(s.retention.lock().snapshot(n)).into_response()
+    let mut v = s.retention.lock().snapshot(n);
+    let kv_usage: serde_json::Map<String, Value> = s
+        .decode_idx
+        .iter()
+        .filter_map(|&i| Some((s.engine_id(i), s.load.kv_usage(i)?.into())))
+        .collect();
+    v["kv_usage"] = Value::Object(kv_usage);
+    Json(v).into_response()
 }
 
 /// Query `n`: 50 when absent, at most `max`; `400` naming it when it is not

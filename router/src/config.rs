@@ -146,9 +146,11 @@ pub struct RouterConfig {
     /// chosen and the runner-up option (`router/src/explain.rs`).
     /// Names engines to clients: for debugging and demos [false].
     pub route_header: bool,
-    /// Period of polling the prefill engines' `/metrics` for their queue
-    /// (`vllm:num_requests_waiting` + `running`) under `predicted_ttft`,
-    /// ms; 0: off (each replica counts only its own requests) [250].
+    /// Period of polling the engines' `/metrics`, ms: the prefill engines'
+    /// queue (`vllm:num_requests_waiting` + `running`) under
+    /// `predicted_ttft`, the decode engines' KV usage under `predicted_ttft`
+    /// or adaptive retention; 0: off (each replica counts only its own
+    /// requests; retention assumes `retention.default_kv_usage`) [250].
     pub load_interval_ms: u64,
     /// Decode-side retention (`[retention]`, issue 15): `mode` (`fixed`:
     /// vLLM's fixed TTL, the router tells D nothing; `early_release`: D is

@@ -39,7 +39,7 @@ pub struct PromptInfo<'a> {
 
 /// Decide for a request to prefill engine `prefill_engine_id` at `now_ms`.
 pub fn decide(
-    lookup: Lookup,
+    lookup: &Lookup,
     prompt: &PromptInfo<'_>,
     prefill_engine_id: &str,
     registry: &Registry,
@@ -128,7 +128,7 @@ mod tests {
             tokens: Some(tokens),
             history: History::None,
         };
-        decide(lookup, &p, "p0", &registry(), t, 0)
+        decide(&lookup, &p, "p0", &registry(), t, 0)
     }
 
     #[test]

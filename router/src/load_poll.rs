@@ -1,13 +1,15 @@
-//! Engine load polling (`policy = "predicted_ttft"`, every
-//! `load_interval_ms`): each prefill engine's `GET /metrics` is read for
-//! vLLM's `vllm:num_requests_waiting` and `vllm:num_requests_running`, so
-//! the selection sees the queue that every router replica together put on
-//! a P, not only this replica's own requests. The parsing is pure
+//! Engine load polling (every `load_interval_ms`): under
+//! `policy = "predicted_ttft"` each prefill engine's `GET /metrics` is read
+//! for vLLM's `vllm:num_requests_waiting` and `vllm:num_requests_running`,
+//! so the selection sees the queue that every router replica together put
+//! on a P, not only this replica's own requests; each decode engine's for
+//! its KV usage (the selection's D choice, adaptive retention's renewals). The parsing is pure
 //! ([`queue_requests`]); a failed scrape leaves the engine unreported (the
 //! selection then counts only this replica's requests).
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::Policy;
 use crate::state::AppState;
 
 /// Sum of the `vllm:num_requests_waiting` and `vllm:num_requests_running`
@@ -50,22 +52,38 @@ pub fn fraction_gauge(text: &str, name: &str) -> Option<f64> {
 }
 
 impl AppState {
-    /// Polls every prefill engine's queue once.
+    /// Polls once: every prefill engine's queue (under `predicted_ttft`)
+    /// and every decode engine's KV usage (`vllm:kv_cache_usage_perc`;
+    /// vLLM before v1: `vllm:gpu_cache_usage_perc`), which the selection's
+    /// D choice and decode-side retention's renewals read.
     pub async fn poll_load(&self) {
-        for &i in &self.prefill_idx {
-            let got = self
-                .engine_get(i, "/metrics")
-                .await
-                .and_then(|b| queue_requests(std::str::from_utf8(&b).ok()?));
-            self.load.set_reported_requests(i, got);
+        if self.cfg.policy == Policy::PredictedTtft {
+            for &i in &self.prefill_idx {
+                let got = self
+                    .engine_get(i, "/metrics")
+                    .await
+                    .and_then(|b| queue_requests(std::str::from_utf8(&b).ok()?));
+                self.load.set_reported_requests(i, got);
+            }
+        }
+        for &i in &self.decode_idx {
+            let usage = self.engine_get(i, "/metrics").await.and_then(|b| {
+                let t = std::str::from_utf8(&b).ok()?;
+                fraction_gauge(t, "vllm:kv_cache_usage_perc")
+                    .or_else(|| fraction_gauge(t, "vllm:gpu_cache_usage_perc"))
+            });
+            self.load.set_kv_usage(i, usage);
         }
     }
 }
 
-/// Spawns the poller of `state` (none when `load_interval_ms` is 0 or the
-/// policy does not predict); it ends when the state is dropped.
+/// Spawns the poller of `state` (none when `load_interval_ms` is 0, or
+/// when neither the policy predicts nor retention is adaptive); it ends
+/// when the state is dropped.
 pub fn spawn(state: &Arc<AppState>) {
-    if state.cfg.load_interval_ms == 0 || state.cfg.policy != crate::config::Policy::PredictedTtft {
+    let predicts = state.cfg.policy == Policy::PredictedTtft;
+    let adaptive = state.cfg.retention.mode == kvloop_retention::RetentionMode::Adaptive;
+    if state.cfg.load_interval_ms == 0 || !(predicts || adaptive) {
         return;
     }
     let weak = Arc::downgrade(state);

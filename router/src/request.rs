@@ -82,6 +82,16 @@ fn bad(msg: impl Into<String>) -> BadRequest {
     BadRequest(msg.into())
 }
 
+/// The request's tenant: the `tenant_header` header, else `default_tenant`
+/// (the rule of every client endpoint: completions and
+/// `DELETE /v1/conversations/{id}`).
+pub fn tenant_of(headers: &HeaderMap, tenant_header: &str, default_tenant: &str) -> String {
+    headers
+        .get(tenant_header)
+        .and_then(|v| v.to_str().ok())
+        .map_or_else(|| default_tenant.to_string(), str::to_string)
+}
+
 /// Parse a client request.
 ///
 /// # Errors
@@ -152,7 +162,7 @@ pub fn parse_request(
             .map(str::to_string),
         body,
         conversation_id,
-        tenant: header(tenant_header).unwrap_or_else(|| default_tenant.to_string()),
+        tenant: tenant_of(headers, tenant_header, default_tenant),
         request_id: header("x-request-id"),
         prompt_token_ids,
         hidden_output,

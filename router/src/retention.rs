@@ -75,8 +75,6 @@ impl Cause {
 pub struct Job {
     /// The conversation.
     pub key: ConvKey,
-    /// `tenant/conversation_id`.
-    pub conversation: String,
     /// The policy's reason (`no_history`, `tenant_gaps`,
     /// `conversation_gap`, `worth`, `not_worth`, `cap`), or the cause for
     /// an early release.
@@ -157,8 +155,6 @@ pub struct Retention {
     held: HashMap<ConvKey, Held>,
     last_gap_ms: LruCache<ConvKey, u64>,
     recent: std::collections::VecDeque<DecisionRecord>,
-    /// Decode engine id → (KV usage 0..1, when reported, ms).
-    kv_usage: HashMap<String, (f64, u64)>,
     /// Decode engine id → until when (ms) its agent said it does not host
     /// it (stock vLLM behind an agent that only pushes thresholds): not
     /// learned again before.
@@ -167,9 +163,6 @@ pub struct Retention {
 
 /// How long a decode engine no agent hosts is treated as unmanaged, ms.
 pub const UNMANAGED_FOR_MS: u64 = 60_000;
-
-/// A KV usage report older than this is not used (the default applies), ms.
-pub const KV_USAGE_FRESH_MS: u64 = 10_000;
 
 impl Retention {
     /// State for `cfg` (validated by the router's config).
@@ -181,7 +174,6 @@ impl Retention {
             held: HashMap::new(),
             last_gap_ms: LruCache::new(std::num::NonZeroUsize::new(MAX_FOLLOWED).expect("> 0")),
             recent: std::collections::VecDeque::new(),
-            kv_usage: HashMap::new(),
             unmanaged: HashMap::new(),
         }
     }
@@ -207,27 +199,6 @@ impl Retention {
             .insert(decode_engine_id.to_string(), now_ms + UNMANAGED_FOR_MS);
     }
 
-    /// D's KV usage (0..1) reported at `now_ms` (`None`: not reported).
-    pub fn set_kv_usage(&mut self, decode_engine_id: &str, usage: Option<f64>, now_ms: u64) {
-        match usage {
-            Some(u) => {
-                self.kv_usage
-                    .insert(decode_engine_id.to_string(), (u, now_ms));
-            }
-            None => {
-                self.kv_usage.remove(decode_engine_id);
-            }
-        }
-    }
-
-    /// D's last KV usage if reported within [`KV_USAGE_FRESH_MS`] of `now_ms`.
-    pub fn kv_usage(&self, decode_engine_id: &str, now_ms: u64) -> Option<f64> {
-        self.kv_usage
-            .get(decode_engine_id)
-            .filter(|(_, at)| now_ms.saturating_sub(*at) <= KV_USAGE_FRESH_MS)
-            .map(|(u, _)| *u)
-    }
-
     /// Keeps `job`'s outcome `result` at `now_ms` (the last
     /// [`RECENT_DECISIONS`]).
     pub fn record(&mut self, job: &Job, result: &'static str, now_ms: u64) {
@@ -240,7 +211,7 @@ impl Retention {
             keep_ms: job.keep_ms,
             cause: job.cause.as_str(),
             reason: job.reason,
-            conversation: job.conversation.clone(),
+            conversation: conversation(&job.key),
             decode_engine_id: job.decode_engine_id.clone(),
             request_id: job.request_id.clone(),
             value_ms: job.value_ms,
@@ -251,7 +222,8 @@ impl Retention {
 
     /// What `GET /admin/retention` shows: the mode and bounds, the agents
     /// known per decode engine, each tenant's gaps (samples, p50, p90), the
-    /// holds followed, and the last `n` decisions (newest last).
+    /// holds followed, and the last `n` decisions (newest last); the caller
+    /// adds D's KV usage.
     pub fn snapshot(&self, n: usize) -> serde_json::Value {
         let tenants: Vec<serde_json::Value> = self
             .gaps
@@ -267,7 +239,6 @@ impl Retention {
             "agents": self.agents,
             "tenants": tenants,
             "followed": self.held.len(),
-            "kv_usage": self.kv_usage.iter().map(|(d, (u, _))| (d.clone(), *u)).collect::<std::collections::BTreeMap<_, _>>(),
             "decisions": self.recent.iter().skip(skip).collect::<Vec<_>>(),
             "decisions_kept": self.recent.len(),
         })
@@ -295,6 +266,14 @@ impl Retention {
                 self.agents.insert(d.to_string(), agent_url.to_string());
             }
         }
+    }
+
+    /// Whether a turn stored on `decode_engine_id` gets a lease now
+    /// (adaptive mode and its agent known): [`Retention::stored`]'s
+    /// question, before its caller estimates what the hold saves.
+    pub fn leases(&self, decode_engine_id: &str) -> bool {
+        self.policy.config().mode == RetentionMode::Adaptive
+            && self.agents.contains_key(decode_engine_id)
     }
 
     /// The agent to tell about `decode_engine_id`'s holds.
@@ -332,7 +311,6 @@ impl Retention {
         }
         Some(Job {
             key: key.clone(),
-            conversation: conversation(key),
             reason: cause.as_str(),
             value_ms: 0.0,
             cost_ms: 0.0,
@@ -381,7 +359,7 @@ impl Retention {
         saved_ms: f64,
         now_ms: u64,
     ) -> Option<Job> {
-        if self.policy.config().mode != RetentionMode::Adaptive {
+        if !self.leases(decode_engine_id) {
             return None;
         }
         let agent_url = self.agent_of(decode_engine_id)?.to_string();
@@ -414,7 +392,6 @@ impl Retention {
         );
         Some(Job {
             key: key.clone(),
-            conversation: conversation(key),
             reason: v.reason.as_str(),
             value_ms: v.value_ms,
             cost_ms: v.cost_ms,
@@ -427,10 +404,14 @@ impl Retention {
     }
 
     /// Holds whose lease ended by `now_ms`, at each D's reported KV usage
-    /// ([`Retention::set_kv_usage`]; the default when none is fresh): a
+    /// (`kv_usage(decode_engine_id)`; the policy's default where `None`): a
     /// renewal to send (keep), or a release, with the key whose stored turn
     /// must leave the store.
-    pub fn due(&mut self, now_ms: u64) -> Vec<(ConvKey, Job)> {
+    pub fn due(
+        &mut self,
+        now_ms: u64,
+        kv_usage: impl Fn(&str) -> Option<f64>,
+    ) -> Vec<(ConvKey, Job)> {
         let keys: Vec<ConvKey> = self
             .held
             .iter()
@@ -444,16 +425,14 @@ impl Retention {
                 elapsed_ms: now_ms.saturating_sub(h.stored_at_ms),
                 blocks: h.blocks,
                 saved_ms: h.saved_ms,
-                kv_usage: self.kv_usage(&h.decode_engine_id, now_ms),
+                kv_usage: kv_usage(&h.decode_engine_id),
                 conversation_gap_ms: h.conversation_gap_ms,
             };
             let v = self.policy.renew(self.gaps.get(key.tenant()), &facts);
             let agent_url = self.agent_of(&h.decode_engine_id).map(str::to_string);
-            let conv = conversation(&key);
             let k2 = key.clone();
             let job = |keep_ms, cause| Job {
                 key: k2.clone(),
-                conversation: conv.clone(),
                 reason: v.reason.as_str(),
                 value_ms: v.value_ms,
                 cost_ms: v.cost_ms,
@@ -556,12 +535,9 @@ mod tests {
         let k = ConvKey::new("t", "new");
         let j = r.stored(&k, "d0", &turn("r9"), 500.0, 100_000).unwrap();
         assert!(j.keep_ms < 60_000, "{j:?}");
-        assert_eq!(r.due(100_000).len(), 0, "not due yet");
+        assert_eq!(r.due(100_000, |_| None).len(), 0, "not due yet");
         // At its end, with D almost full of KV: not worth renewing.
-        r.set_kv_usage("d0", Some(0.99), 100_000 + j.keep_ms);
-        assert_eq!(r.kv_usage("d0", 100_000 + j.keep_ms), Some(0.99));
-        assert_eq!(r.kv_usage("d0", 200_000 + j.keep_ms), None, "stale");
-        let due = r.due(100_000 + j.keep_ms);
+        let due = r.due(100_000 + j.keep_ms, |d| (d == "d0").then_some(0.99));
         let (key, rel) = due.iter().find(|(key, _)| key == &k).unwrap();
         assert_eq!((key, rel.keep_ms, rel.cause), (&k, 0, Cause::NotRenewed));
         assert_eq!(rel.request_id, "r9");

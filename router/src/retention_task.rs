@@ -28,8 +28,6 @@ pub const QUEUE: usize = 4096;
 const IN_FLIGHT: usize = 16;
 /// Period of the renew / release tick, ms.
 const TICK_MS: u64 = 250;
-/// The error of a 404: no agent hosts the engine.
-const NOT_HOSTED: &str = "no agent hosts this engine";
 /// Timeout of one POST to an agent, ms.
 const POST_TIMEOUT_MS: u64 = 2_000;
 
@@ -71,9 +69,6 @@ impl AppState {
     pub(crate) fn release_turn(&self, key: &ConvKey, turn: &StoredTurn, cause: Cause) {
         let d = self.engine_id(turn.decode_engine);
         let job = self.retention.lock().release(key, &d, turn, cause);
-        self.metrics
-            .retention_followed
-            .set(self.retention.lock().followed() as i64);
         if let Some(j) = job {
             self.send_retention(j);
         }
@@ -89,7 +84,7 @@ impl AppState {
 
     /// A turn is being stored: its first lease (adaptive mode). The TTFT it
     /// saves: recomputing `remote_num_tokens` on P less the READ, by the
-    /// pair's pushed cost model when there is one, else
+    /// pair's confident pushed cost model when there is one, else
     /// `retention.prefill_ms_per_token` per token.
     pub(crate) fn retention_stored(
         &self,
@@ -99,18 +94,16 @@ impl AppState {
         now_ms: u64,
     ) {
         let d = self.engine_id(turn.decode_engine);
-        let r = f64::from(turn.remote_num_tokens);
-        let model = self
+        if !self.retention.lock().leases(&d) {
+            return;
+        }
+        let tokens = u64::from(turn.remote_num_tokens);
+        let saved_ms = self
             .thresholds
             .lock()
             .effective(&self.engine_id(prefill), &d, now_ms)
-            .model;
-        let saved_ms = match model {
-            Some(m) => (r * (m.prefill_ms_per_token + m.prefill_ms_per_token_ctx * r / 2.0)
-                - (m.xfer_fixed_ms + r * m.xfer_ms_per_token))
-                .max(0.0),
-            None => r * self.cfg.retention.prefill_ms_per_token,
-        };
+            .saved_by_pull_ms(tokens)
+            .unwrap_or(tokens as f64 * self.cfg.retention.prefill_ms_per_token);
         let job = self
             .retention
             .lock()
@@ -125,10 +118,16 @@ impl AppState {
     /// instead of trying a READ the agent would decline).
     pub(crate) async fn retention_tick(&self) {
         let now = self.now_ms();
-        let due = self.retention.lock().due(now);
-        self.metrics
-            .retention_followed
-            .set(self.retention.lock().followed() as i64);
+        let kv_usage = |d: &str| {
+            self.registry
+                .index_of(d)
+                .and_then(|i| self.load.kv_usage(i))
+        };
+        let (due, followed) = {
+            let mut r = self.retention.lock();
+            (r.due(now, kv_usage), r.followed())
+        };
+        self.metrics.retention_followed.set(followed as i64);
         for (key, job) in due {
             if job.keep_ms == 0
                 && let Lookup::Found(t) = self.store.take_or_missing(&key, now).await
@@ -141,7 +140,10 @@ impl AppState {
         }
     }
 
-    async fn post_retention(&self, job: &Job) -> Result<RetentionAnswer, String> {
+    /// POSTs `job` to its agent (three tries on transport errors and 5xx):
+    /// the agent's answer, or `None` when it answered 404 (no agent hosts
+    /// that engine: stock vLLM behind an agent).
+    async fn post_retention(&self, job: &Job) -> Result<Option<RetentionAnswer>, String> {
         let url = format!(
             "{}{RETENTION_PATH}",
             job.agent_url.as_deref().unwrap_or_default()
@@ -169,11 +171,11 @@ impl AppState {
                 return resp
                     .json::<RetentionAnswer>()
                     .await
+                    .map(Some)
                     .map_err(|e| (false, e.to_string()));
             }
             if status == reqwest::StatusCode::NOT_FOUND {
-                // No agent hosts that engine (stock vLLM behind an agent).
-                return Err((false, NOT_HOSTED.to_string()));
+                return Ok(None);
             }
             let text = resp.text().await.unwrap_or_default();
             Err((status.is_server_error(), format!("HTTP {status}: {text}")))
@@ -191,16 +193,16 @@ impl AppState {
 
     async fn run_job(&self, job: Job) {
         let result = match self.post_retention(&job).await {
-            Ok(RetentionAnswer::Released { .. }) => "released",
-            Ok(RetentionAnswer::Deferred { .. }) => "deferred",
-            Ok(RetentionAnswer::Kept { .. }) => "kept",
-            Ok(RetentionAnswer::Unknown) => {
+            Ok(Some(RetentionAnswer::Released { .. })) => "released",
+            Ok(Some(RetentionAnswer::Deferred { .. })) => "deferred",
+            Ok(Some(RetentionAnswer::Kept { .. })) => "kept",
+            Ok(Some(RetentionAnswer::Unknown)) => {
                 // Nothing held there any more (its next turn, on another
                 // replica, read it; or it expired): stop renewing it.
                 self.retention.lock().forget(&job.key, &job.request_id);
                 "unknown"
             }
-            Err(e) if e.ends_with(NOT_HOSTED) => {
+            Ok(None) => {
                 let now = self.now_ms();
                 self.retention
                     .lock()
@@ -227,7 +229,7 @@ fn cause_of(c: DropCause) -> Cause {
 /// Starts the retention tasks of `state` (they end when it is dropped):
 /// the store's dropped turns become releases, decisions are sent
 /// ([`IN_FLIGHT`] at once), and followed holds are renewed or released
-/// every 250 ms.
+/// every 250 ms (at D's KV usage, which `crate::load_poll` reads).
 pub fn spawn(state: &Arc<AppState>) {
     let (drop_tx, mut drop_rx) = tokio::sync::mpsc::channel::<Dropped>(QUEUE);
     state.store.set_drop_sink(drop_tx);
@@ -262,42 +264,6 @@ pub fn spawn(state: &Arc<AppState>) {
             s.retention_tick().await;
         }
     });
-    if state.cfg.retention.mode == kvloop_retention::RetentionMode::Adaptive
-        || state.cfg.policy == crate::config::Policy::PredictedTtft
-    {
-        let weak = Arc::downgrade(state);
-        tokio::spawn(async move {
-            loop {
-                let Some(s) = weak.upgrade() else { break };
-                s.poll_kv_usage().await;
-                drop(s);
-                tokio::time::sleep(Duration::from_millis(KV_USAGE_POLL_MS)).await;
-            }
-        });
-    }
-}
-
-/// Period of reading the decode engines' KV usage, ms.
-const KV_USAGE_POLL_MS: u64 = 1_000;
-
-impl AppState {
-    /// Reads every decode engine's `vllm:kv_cache_usage_perc` (vLLM's
-    /// gauge, 0..1; vLLM before v1: `vllm:gpu_cache_usage_perc`) from its
-    /// `/metrics`: D's KV pressure in the renew decisions, and D's load in
-    /// the selection (`policy = "predicted_ttft"`).
-    async fn poll_kv_usage(&self) {
-        for &i in &self.decode_idx {
-            let usage = self.engine_get(i, "/metrics").await.and_then(|b| {
-                let t = std::str::from_utf8(&b).ok()?;
-                crate::load_poll::fraction_gauge(t, "vllm:kv_cache_usage_perc")
-                    .or_else(|| crate::load_poll::fraction_gauge(t, "vllm:gpu_cache_usage_perc"))
-            });
-            let now = self.now_ms();
-            let d = self.engine_id(i);
-            self.load.set_kv_usage(i, usage);
-            self.retention.lock().set_kv_usage(&d, usage, now);
-        }
-    }
 }
 
 /// `DELETE /v1/conversations/{id}`: the conversation ended. Its stored turn
@@ -321,12 +287,7 @@ pub async fn delete_conversation(
             "conversation_id: expected 1..=1024 bytes",
         );
     }
-    let tenant = headers
-        .get(s.cfg.tenant_header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .filter(|t| !t.is_empty())
-        .unwrap_or(&s.cfg.default_tenant)
-        .to_string();
+    let tenant = crate::request::tenant_of(&headers, &s.cfg.tenant_header, &s.cfg.default_tenant);
     let key = ConvKey::new(&tenant, &id);
     let now = s.now_ms();
     match s.store.take_or_missing(&key, now).await {

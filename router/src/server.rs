@@ -165,7 +165,7 @@ async fn route_inner(
     let taken = match (&key, &lookup) {
         (Some(k), Lookup::Found(t)) => {
             s.retention_taken(k, t, now);
-            Some(t.clone())
+            Some((k.clone(), t))
         }
         _ => None,
     };
@@ -194,7 +194,7 @@ async fn route_inner(
             let healthy = |i: u16| s.healthy[i as usize].load(Ordering::Relaxed);
             let pl = crate::select::route::place_with_load(
                 s.cfg.policy,
-                lookup,
+                &lookup,
                 &info,
                 &s.registry,
                 &th,
@@ -221,7 +221,7 @@ async fn route_inner(
             );
             (pl.decision, record, compute_ms)
         } else {
-            let d = decide(lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now);
+            let d = decide(&lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now);
             let record = RouteRecord::round_robin(
                 &Routed {
                     previous_decode: d.decode_engine_id.as_deref(),
@@ -234,7 +234,7 @@ async fn route_inner(
             (d, record, None)
         }
     };
-    if let (Some(k), Some(t)) = (&key, &taken)
+    if let Some((k, t)) = &taken
         && decision.attach.is_none()
     {
         let cause = if decision.reason == crate::reason::Reason::PrefixMismatch {
@@ -256,7 +256,6 @@ async fn route_inner(
         .inc();
 
     // What to store after the turn.
-    let key_for_release = taken.as_ref().and(key.clone());
     let ctx = key.map(|key| {
         let mut hist = HistoryHasher::default();
         match history {
@@ -285,7 +284,7 @@ async fn route_inner(
         compute_ms,
     );
     let pull_failed = || {
-        if let (Some(k), Some(t)) = (&key_for_release, &taken) {
+        if let Some((k, t)) = &taken {
             s.release_turn(k, t, crate::retention::Cause::PullFailed);
         }
     };

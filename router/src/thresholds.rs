@@ -83,11 +83,20 @@ impl Effective {
             && m.confidence >= MIN_MODEL_CONFIDENCE
         {
             let r = reused_tokens as f64;
-            let t_xfer = m.xfer_fixed_ms + r * m.xfer_ms_per_token;
-            let t_recompute = r * (m.prefill_ms_per_token + m.prefill_ms_per_token_ctx * r / 2.0);
-            return t_xfer < t_recompute;
+            return m.xfer_ms(r) < m.recompute_prefix_ms(r);
         }
         reused_tokens >= self.threshold_tokens
+    }
+
+    /// TTFT a pull of `reused_tokens` saves over recomputing them, ms, by
+    /// the confident cost model (`None` without one).
+    pub fn saved_by_pull_ms(&self, reused_tokens: u64) -> Option<f64> {
+        let m = self
+            .model
+            .as_ref()
+            .filter(|m| m.confidence >= MIN_MODEL_CONFIDENCE)?;
+        let r = reused_tokens as f64;
+        Some((m.recompute_prefix_ms(r) - m.xfer_ms(r)).max(0.0))
     }
 }
 

@@ -198,22 +198,29 @@ impl ReadyChild {
     /// Sends SIGTERM and waits up to `grace` for the process to exit, then
     /// kills it. Returns whether it exited by itself with status 0.
     pub fn terminate(&mut self, grace: Duration) -> bool {
-        if let Ok(Some(st)) = self.child.try_wait() {
-            return st.success();
-        }
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return st.success();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        false
+        terminate(&mut self.child, grace).is_some_and(|st| st.success())
     }
+}
+
+/// Sends `child` SIGTERM (unless it already exited) and waits up to
+/// `grace` for it, then SIGKILLs and reaps it. Returns its exit status when
+/// it exited by itself, `None` when it had to be killed.
+pub fn terminate(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    if let Ok(Some(st)) = child.try_wait() {
+        return Some(st);
+    }
+    // SAFETY: signalling our own child by pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
 }
 
 impl ReadyChild {

@@ -76,37 +76,16 @@ impl HeldDemo {
     /// SIGTERM, then waits up to 60 s for the exit status.
     ///
     /// # Panics
-    /// When it does not exit in time.
+    /// When it does not exit in time (it is then killed).
     pub fn stop(&mut self) -> std::process::ExitStatus {
-        // SAFETY: kill on our own child's PID.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(Instant::now() < end, "the demo did not stop within 60 s");
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        crate::child::terminate(&mut self.child, Duration::from_secs(60))
+            .expect("the demo did not stop within 60 s")
     }
 }
 
 impl Drop for HeldDemo {
     fn drop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        // SAFETY: kill on our own child's PID.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let end = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < end {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = crate::child::terminate(&mut self.child, Duration::from_secs(60));
     }
 }
 

@@ -51,45 +51,73 @@ impl Agent {
         if self.engines.read().contains_key(owner_engine_id) {
             return self.renew_local(owner_engine_id, request_id, lease_ms);
         }
-        let peer = match self.peer_of_engine(owner_engine_id) {
-            Some(p) => p,
-            None => {
-                // Registered since the last periodic discovery: ask the peers now.
-                self.refresh_peers().await;
-                self.peer_of_engine(owner_engine_id).ok_or_else(|| {
-                    ApiError::new(
-                        ErrorKind::UnknownEngine,
-                        format!("peer_engine_id `{owner_engine_id}`: no known agent hosts it (peers[] of the config)"),
-                    )
-                })?
-            }
-        };
-        let http = self.peer_http(&peer);
-        let http = http.ok_or_else(|| {
-            ApiError::new(
-                ErrorKind::Internal,
-                format!("peer `{peer}` has no HTTP address"),
-            )
-        })?;
-        let url = format!("http://{http}/v1/leases/renew");
         let body = kvloop_agent_api::peer::RenewRequest {
             version: API_VERSION,
             engine_id: owner_engine_id.into(),
             request_id: request_id.into(),
             lease_ms,
         };
-        let resp = self.http.post(&url).json(&body).send().await.map_err(|e| {
-            ApiError::new(ErrorKind::Lease, format!("renew at {url}: {e}"))
-                .with_origin(ErrorOrigin::Peer)
+        self.ask_owner(
+            ("peer_engine_id", owner_engine_id),
+            "/v1/leases/renew",
+            &body,
+            None,
+        )
+        .await
+    }
+
+    /// POSTs `body` to `path` of the peer agent hosting `engine_id` (with
+    /// `bearer`), and reads its answer; `field` names the engine id in the
+    /// caller's request for the error. A peer that registered the engine
+    /// since the last periodic discovery is found by asking the peers now.
+    ///
+    /// # Errors
+    /// `unknown_engine` when no known agent hosts it; `lease` (origin peer)
+    /// when the peer cannot be reached or answers badly; the peer's own
+    /// error otherwise.
+    async fn ask_owner<B: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        (field, engine_id): (&str, &str),
+        path: &str,
+        body: &B,
+        bearer: Option<&str>,
+    ) -> Result<R, ApiError> {
+        let peer = match self.peer_of_engine(engine_id) {
+            Some(p) => p,
+            None => {
+                self.refresh_peers().await;
+                self.peer_of_engine(engine_id).ok_or_else(|| {
+                    ApiError::new(
+                        ErrorKind::UnknownEngine,
+                        format!(
+                            "{field} `{engine_id}`: no known agent hosts it (peers[] of the config)"
+                        ),
+                    )
+                })?
+            }
+        };
+        let http = self.peer_http(&peer).ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::Internal,
+                format!("peer `{peer}` has no HTTP address"),
+            )
+        })?;
+        let url = format!("http://{http}{path}");
+        let mut req = self.http.post(&url).json(body);
+        if let Some(b) = bearer {
+            req = req.bearer_auth(b);
+        }
+        let resp = req.send().await.map_err(|e| {
+            ApiError::new(ErrorKind::Lease, format!("{url}: {e}")).with_origin(ErrorOrigin::Peer)
         })?;
         let status = resp.status();
         if status.is_success() {
-            resp.json::<LeaseInfo>().await.map_err(|e| {
-                ApiError::new(ErrorKind::Lease, format!("renew at {url}: bad answer: {e}"))
-            })
+            resp.json::<R>()
+                .await
+                .map_err(|e| ApiError::new(ErrorKind::Lease, format!("{url}: bad answer: {e}")))
         } else {
             let mut e: ApiError = resp.json().await.unwrap_or_else(|_| {
-                ApiError::new(ErrorKind::Lease, format!("renew at {url}: HTTP {status}"))
+                ApiError::new(ErrorKind::Lease, format!("{url}: HTTP {status}"))
             });
             e.origin.get_or_insert(ErrorOrigin::Peer);
             Err(e)
@@ -197,55 +225,13 @@ impl Agent {
                 ),
             ));
         }
-        let peer = match self.peer_of_engine(&r.engine_id) {
-            Some(p) => Some(p),
-            None => {
-                self.refresh_peers().await;
-                self.peer_of_engine(&r.engine_id)
-            }
-        };
-        let Some(http) = peer.as_deref().and_then(|p| self.peer_http(p)) else {
-            count("error");
-            return Err(ApiError::new(
-                ErrorKind::UnknownEngine,
-                format!(
-                    "engine_id `{}`: no known agent hosts it (peers[] of the config)",
-                    r.engine_id
-                ),
-            ));
-        };
-        let url = format!("http://{http}{RETENTION_PATH}");
         let mut body = r.clone();
         body.forwarded = true;
-        let mut req = self.http.post(&url).json(&body);
-        if let Some(b) = bearer {
-            req = req.bearer_auth(b);
-        }
-        let resp = req.send().await.map_err(|e| {
-            count("error");
-            ApiError::new(ErrorKind::Lease, format!("retention at {url}: {e}"))
-                .with_origin(ErrorOrigin::Peer)
-        })?;
-        let status = resp.status();
-        if status.is_success() {
-            count("forwarded");
-            resp.json::<RetentionAnswer>().await.map_err(|e| {
-                ApiError::new(
-                    ErrorKind::Lease,
-                    format!("retention at {url}: bad answer: {e}"),
-                )
-            })
-        } else {
-            count("error");
-            let mut e: ApiError = resp.json().await.unwrap_or_else(|_| {
-                ApiError::new(
-                    ErrorKind::Lease,
-                    format!("retention at {url}: HTTP {status}"),
-                )
-            });
-            e.origin.get_or_insert(ErrorOrigin::Peer);
-            Err(e)
-        }
+        let answer = self
+            .ask_owner(("engine_id", &r.engine_id), RETENTION_PATH, &body, bearer)
+            .await;
+        count(if answer.is_ok() { "forwarded" } else { "error" });
+        answer
     }
 
     /// Whether `bearer` may send retention decisions: any token when no
@@ -259,11 +245,12 @@ impl Agent {
             .iter()
             .filter_map(|r| r.token.as_deref())
             .collect();
-        let same = |t: &str, b: &str| {
-            let (a, b) = (t.as_bytes(), b.as_bytes());
-            a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-        };
-        tokens.is_empty() || bearer.is_some_and(|b| tokens.iter().any(|t| same(t, b)))
+        tokens.is_empty()
+            || bearer.is_some_and(|b| {
+                tokens
+                    .iter()
+                    .any(|t| kvloop_router_api::bearer_matches(t, b))
+            })
     }
 
     /// Expires lapsed leases and tells their owners (called by the lease

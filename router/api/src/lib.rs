@@ -28,6 +28,17 @@ use serde::{Deserialize, Serialize};
 /// Path of the threshold push endpoint.
 pub const THRESHOLDS_PATH: &str = "/admin/thresholds";
 
+/// Whether the bearer token `given` is `expected` (the router's
+/// `admin_token`: the router checks it on its admin API, the agents on
+/// the retention decisions the router sends them). Constant time in the
+/// tokens' contents; an empty `expected` never matches.
+pub fn bearer_matches(expected: &str, given: &str) -> bool {
+    let (a, b) = (expected.as_bytes(), given.as_bytes());
+    !a.is_empty()
+        && a.len() == b.len()
+        && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Header a router adds to every prefill request it sends to P, so that the
 /// prefill probe (kernel, socket level) can attribute the measured latency to
 /// token counts: `X-KVLoop-Tokens: prompt=<N>,reused=<R>`, where `N` is the
@@ -101,9 +112,33 @@ pub struct CostModelCoefficients {
     pub confidence: f64,
 }
 
+impl CostModelCoefficients {
+    /// `t_xfer_ms(r)`: READ of `r` reusable tokens, ms.
+    pub fn xfer_ms(&self, r: f64) -> f64 {
+        self.xfer_fixed_ms + r * self.xfer_ms_per_token
+    }
+
+    /// `t_recompute_ms(r)` of a prefix of `r` tokens (average context
+    /// `r / 2`), ms.
+    pub fn recompute_prefix_ms(&self, r: f64) -> f64 {
+        r * (self.prefill_ms_per_token + self.prefill_ms_per_token_ctx * r / 2.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bearer_tokens_match_exactly() {
+        assert!(bearer_matches("t0k", "t0k"));
+        assert!(!bearer_matches("t0k", "t0K"));
+        assert!(!bearer_matches("t0k", "t0"));
+        assert!(
+            !bearer_matches("", ""),
+            "no token configured: nothing matches"
+        );
+    }
 
     #[test]
     fn round_trips_and_rejects_unknown_fields() {

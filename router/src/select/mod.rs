@@ -309,7 +309,7 @@ pub fn select(
         };
         push(false, rf * (a + b * rf / 2.0));
         if let Some(x) = &pull_model {
-            push(true, x.xfer_fixed_ms + rf * x.xfer_ms_per_token);
+            push(true, x.xfer_ms(rf));
         }
     }
     options.sort_by(|(x, rx), (y, ry)| {

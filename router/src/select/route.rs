@@ -29,7 +29,7 @@ pub struct Placement {
 #[allow(clippy::too_many_arguments)]
 pub fn place(
     policy: Policy,
-    lookup: Lookup,
+    lookup: &Lookup,
     prompt: &PromptInfo<'_>,
     registry: &Registry,
     thresholds: &ThresholdTable,
@@ -103,7 +103,7 @@ pub fn place(
 #[allow(clippy::too_many_arguments)]
 pub fn place_with_load(
     policy: Policy,
-    lookup: Lookup,
+    lookup: &Lookup,
     prompt: &PromptInfo<'_>,
     registry: &Registry,
     thresholds: &ThresholdTable,
@@ -234,7 +234,7 @@ mod tests {
         let r = registry();
         let pl = place(
             Policy::PredictedTtft,
-            stored(&prev),
+            &stored(&prev),
             &prompt,
             &r,
             &table(0.1, 0.001),
@@ -256,7 +256,7 @@ mod tests {
         // Both paths slow: recomputing 1000 tokens (10 ms) beats a 101 ms read.
         let pl = place(
             Policy::PredictedTtft,
-            stored(&prev),
+            &stored(&prev),
             &prompt,
             &r,
             &table(0.1, 0.1),
@@ -278,7 +278,7 @@ mod tests {
         // Nothing stored: no entry, recompute on the shortest queue.
         let pl = place(
             Policy::PredictedTtft,
-            Lookup::Missing,
+            &Lookup::Missing,
             &prompt,
             &r,
             &table(0.1, 0.1),
@@ -305,7 +305,7 @@ mod tests {
         let t = ThresholdTable::new(64);
         let pl = place(
             Policy::RoundRobin,
-            stored(&prev),
+            &stored(&prev),
             &prompt,
             &r,
             &t,
@@ -322,7 +322,7 @@ mod tests {
         let t = ThresholdTable::new(1000);
         let pl = place(
             Policy::RoundRobin,
-            stored(&prev),
+            &stored(&prev),
             &prompt,
             &r,
             &t,

@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use kvloop_tests::held::doctor_check as check;
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
@@ -27,15 +28,6 @@ fn doctor(wrapper: &[&str], args: &[&str]) -> (i32, Value) {
     let code = o.status.code().expect("exit code");
     assert_eq!(v["exit_code"], code, "{v}");
     (code, v)
-}
-
-fn check<'a>(v: &'a Value, name: &str) -> &'a Value {
-    v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == name)
-        .unwrap_or_else(|| panic!("no check {name} in {v}"))
 }
 
 fn level(v: &Value, name: &str) -> String {

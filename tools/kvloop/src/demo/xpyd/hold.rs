@@ -31,16 +31,9 @@ pub(super) async fn hold(
     let mut urls = Vec::new();
     for spec in [RR_ADAPTIVE, KVLOOP] {
         let tag = format!("hold-{}", spec.port);
-        let config = a.out_dir.join(format!("router-{tag}.toml"));
-        std::fs::write(
-            &config,
-            cluster.router_toml(&spec, &format!("kvloop-{tag}")),
-        )?;
-        for (i, ip) in cluster.router_addrs.iter().enumerate() {
-            let log = logs.join(format!("router-{tag}-{i}.log"));
-            routers.push(cluster.start_router(star, bins, &config, &spec, i, &log)?);
-            urls.push(format!("http://{ip}:{}", spec.port));
-        }
+        let (r, u, _) = cluster.start_replicas(star, bins, &a.out_dir, logs, &spec, &tag)?;
+        routers.extend(r);
+        urls.extend(u);
     }
     for u in &urls {
         wait_healthy(http, u).await?;

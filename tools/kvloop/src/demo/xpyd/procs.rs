@@ -306,6 +306,30 @@ store_key_prefix = "{key_prefix}"
         .with_context(|| format!("starting router replica {i} of {}", spec.name))
     }
 
+    /// Writes `router-{tag}.toml` for `spec` under `out_dir` (store prefix
+    /// `kvloop-{tag}`) and starts both replicas of it, their stderr in
+    /// `logs/router-{tag}-{i}.log`; returns them with their URLs (not yet
+    /// healthy) and the configuration file (to restart one).
+    pub(super) fn start_replicas(
+        &self,
+        star: &NodeStar,
+        bins: &Bins,
+        out_dir: &Path,
+        logs: &Path,
+        spec: &PolicySpec,
+        tag: &str,
+    ) -> Result<(Vec<ReadyChild>, [String; 2], PathBuf)> {
+        let config = out_dir.join(format!("router-{tag}.toml"));
+        std::fs::write(&config, self.router_toml(spec, &format!("kvloop-{tag}")))?;
+        let mut routers = Vec::new();
+        for i in 0..2 {
+            let log = logs.join(format!("router-{tag}-{i}.log"));
+            routers.push(self.start_router(star, bins, &config, spec, i, &log)?);
+        }
+        let urls = [0, 1].map(|i| format!("http://{}:{}", self.router_addrs[i], spec.port));
+        Ok((routers, urls, config))
+    }
+
     /// Every engine (P then D).
     pub(super) fn engines(&self) -> impl Iterator<Item = &Engine> {
         self.prefill.iter().chain(self.decode.iter())

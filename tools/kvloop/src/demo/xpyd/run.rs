@@ -51,20 +51,15 @@ impl RunCtx<'_> {
         convs: &Arc<Vec<Conversation>>,
     ) -> Result<PolicyRun> {
         let tag = format!("{}-{}", &self.scenario[..4], slug(spec));
-        let config = self.a.out_dir.join(format!("router-{tag}.toml"));
-        std::fs::write(
-            &config,
-            self.cluster.router_toml(spec, &format!("kvloop-{tag}")),
+        let (started, urls, config) = self.cluster.start_replicas(
+            self.star,
+            self.bins,
+            &self.a.out_dir,
+            self.logs,
+            spec,
+            &tag,
         )?;
-        let mut routers = Vec::new();
-        for i in 0..2 {
-            let log = self.logs.join(format!("router-{tag}-{i}.log"));
-            routers.push(Some(
-                self.cluster
-                    .start_router(self.star, self.bins, &config, spec, i, &log)?,
-            ));
-        }
-        let urls = [0, 1].map(|i| format!("http://{}:{}", self.cluster.router_addrs[i], spec.port));
+        let mut routers: Vec<Option<_>> = started.into_iter().map(Some).collect();
         for u in &urls {
             wait_healthy(self.http, u).await?;
         }
