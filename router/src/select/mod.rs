@@ -48,7 +48,7 @@
 //! relay ends. Every routed turn becomes a [`crate::explain::RouteRecord`]:
 //! debug log line, `kvloop_router_selections_total`, the optional
 //! `x-kvloop-route` header and `GET /admin/routes`. D's KV usage comes
-//! from its `/metrics` (`crate::retention_task`'s poll, every second).
+//! from its `/metrics` (`crate::load_poll`, every `load_interval_ms`).
 pub mod load;
 pub mod route;
 
@@ -85,7 +85,7 @@ pub struct DecodeView {
     /// Decode streams in flight (router's own count).
     pub inflight_streams: u32,
     /// KV cache usage, 0..1, where the engine reports it
-    /// (`vllm:kv_cache_usage_perc`, read every second).
+    /// (`vllm:kv_cache_usage_perc`, read every `load_interval_ms`).
     pub kv_usage: Option<f64>,
 }
 
