@@ -69,7 +69,9 @@ impl Drop for Completion {
 pub struct PeerSlot(pub usize);
 
 /// A transfer backend. Implementations make their own progress (a thread
-/// polling the completion queue) so that they also serve remote READs.
+/// polling the completion queue) so that they also serve remote READs; a
+/// caller awaiting a READ may drive completions itself for a while
+/// ([`TransferBackend::caller_spin`]), which saves two thread handoffs.
 pub trait TransferBackend: Send + Sync + 'static {
     /// Human-readable name, e.g. `libfabric tcp;ofi_rxm`.
     fn name(&self) -> String;
@@ -99,6 +101,22 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// the caller must then not free the registered memory (it leaks it
     /// rather than let the provider write into unmapped pages).
     fn quiesce(&self, timeout: std::time::Duration) -> bool;
+    /// How long the task awaiting a READ may drive completions itself
+    /// ([`TransferBackend::drive`]) before leaving them to the backend's own
+    /// progress. Default zero: the backend makes all its own progress (NIXL).
+    fn caller_spin(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+    /// Polls for completions once on the caller's thread (resolving any
+    /// READ that completed, not only the caller's); `true` when something
+    /// completed. Cheap and non-blocking; returns at once when another
+    /// caller is polling. Default: nothing.
+    fn drive(&self) -> bool {
+        false
+    }
+    /// The caller stopped driving with its READ still in flight: the
+    /// backend's own progress takes over now. Default: nothing.
+    fn drive_over(&self) {}
     /// A peer is about to READ this engine's memory for about `expected`:
     /// keep serving-side progress active that long. Default: nothing (NIXL's
     /// UCX backend makes its own progress).

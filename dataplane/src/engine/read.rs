@@ -142,12 +142,59 @@ impl TransferEngine {
             .rx
             .as_mut()
             .expect("receiver taken only by the guard");
-        let r = tokio::time::timeout(Duration::from_millis(timeout_ms), rx)
+        let waited = driven_wait(&**inner.backend, rx);
+        let r = tokio::time::timeout(Duration::from_millis(timeout_ms), waited)
             .await
             .ok()?;
         pending.rx = None;
         Some(r.unwrap_or(Err(DataplaneError::Shutdown)))
     }
+}
+
+/// Waits for a READ's result, first driving the backend's completions on
+/// this task (yielding to other tasks between polls) for up to
+/// [`TransferBackend::caller_spin`], then leaving them to the backend's own
+/// progress. Cancel-safe: dropped while driving, it hands the completions
+/// back to the backend's progress (the READ still completes and releases
+/// its quarantined blocks).
+async fn driven_wait(
+    backend: &dyn crate::backend::TransferBackend,
+    rx: &mut tokio::sync::oneshot::Receiver<Result<()>>,
+) -> std::result::Result<Result<()>, tokio::sync::oneshot::error::RecvError> {
+    use tokio::sync::oneshot::error::TryRecvError;
+    /// Hands the CQ back when the spin ends before the READ completed
+    /// (spin over, or this future dropped).
+    struct HandOver<'a>(Option<&'a dyn crate::backend::TransferBackend>);
+    impl Drop for HandOver<'_> {
+        fn drop(&mut self) {
+            if let Some(b) = self.0 {
+                b.drive_over();
+            }
+        }
+    }
+    let spin = backend.caller_spin();
+    if !spin.is_zero() {
+        let mut hand_over = HandOver(Some(backend));
+        let until = Instant::now() + spin;
+        loop {
+            backend.drive();
+            match rx.try_recv() {
+                Ok(r) => {
+                    // Completed on this task: the next READ's caller drives
+                    // on, or the backend's progress takes over when none does.
+                    hand_over.0 = None;
+                    return Ok(r);
+                }
+                Err(TryRecvError::Closed) => break,
+                Err(TryRecvError::Empty) => {}
+            }
+            if Instant::now() >= until {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+    rx.await
 }
 
 /// The peer a READ goes to.

@@ -12,11 +12,15 @@
 //! * `plan`: the pure planner. Limits: outstanding operations ≤
 //!   `tx_attr->size`; IOVs per READ ≤ `min(iov_limit, rma_iov_limit)`; each
 //!   IOV ≤ `max_msg_size`.
-//! * `progress`: a thread polls the completion queue. It spins while
-//!   operations are outstanding or for `spin_us` after the last activity,
-//!   then parks with a backoff (`idle_sleep_us` → `idle_sleep_max_us`);
-//!   posting wakes it. Both the reader and the serving side
-//!   need this progress (tcp moves nothing otherwise).
+//! * `post`: posting never waits; what does not fit the provider's queue
+//!   stays queued and is posted as completions free room.
+//! * `progress`: the task awaiting a READ polls the completion queue itself
+//!   for up to `caller_spin_us` (no thread handoff per READ); otherwise a
+//!   thread polls it. The thread spins while operations are outstanding or
+//!   for `spin_us` after the last activity, then parks with a backoff
+//!   (`idle_sleep_us` → `idle_sleep_max_us`); posting wakes it. Both the
+//!   reader and the serving side need this progress (tcp moves nothing
+//!   otherwise).
 pub mod config;
 mod ffi;
 mod plan;
@@ -80,6 +84,10 @@ impl FabricBackend {
             retired: Mutex::new(Vec::new()),
             retired_any: AtomicBool::new(false),
             pending: Mutex::new(HashMap::new()),
+            backlog: Mutex::new(state::Backlog::new()),
+            queued: AtomicUsize::new(0),
+            driving: AtomicBool::new(false),
+            last_drive_ns: AtomicU64::new(0),
             outstanding: AtomicUsize::new(0),
             next_read: AtomicU64::new(1),
             stop: AtomicBool::new(false),
@@ -234,6 +242,18 @@ impl TransferBackend for FabricBackend {
     fn post_read(&self, slot: PeerSlot, segments: &[Segment], done: Completion) {
         self.shared.post_read(slot, segments, done);
     }
+
+    fn caller_spin(&self) -> Duration {
+        Duration::from_micros(self.shared.cfg.caller_spin_us)
+    }
+
+    fn drive(&self) -> bool {
+        self.shared.drive()
+    }
+
+    fn drive_over(&self) {
+        self.shared.drive_over();
+    }
 }
 
 impl Drop for FabricBackend {
@@ -254,6 +274,8 @@ impl Drop for FabricBackend {
             let _ = t.join();
         }
         // Fail whatever is still pending: the endpoint is going away.
+        self.shared.backlog.lock().queue.clear();
+        self.shared.queued.store(0, Ordering::Release);
         for (_, p) in self.shared.pending.lock().drain() {
             if let Some(d) = p.done {
                 d.complete(Err(DataplaneError::Shutdown));

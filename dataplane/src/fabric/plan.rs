@@ -65,7 +65,14 @@ impl ReadPlan {
         self.ends.is_empty()
     }
 
+    /// Group `i` (`i < len()`): the IOVs of the `i`-th `fi_readmsg`.
+    pub(crate) fn group(&self, i: usize) -> &[Chunk] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.chunks[start..self.ends[i]]
+    }
+
     /// The groups, each the IOVs of one `fi_readmsg`, in posting order.
+    #[cfg(test)]
     pub(crate) fn groups(&self) -> impl Iterator<Item = &[Chunk]> {
         let starts = std::iter::once(0).chain(self.ends.iter().copied());
         starts
@@ -107,8 +114,14 @@ mod tests {
         }
     }
 
+    /// The groups by iteration, checked against [`ReadPlan::group`] (the
+    /// posting path's indexed access).
     fn groups(p: &ReadPlan) -> Vec<Vec<Chunk>> {
-        p.groups().map(<[Chunk]>::to_vec).collect()
+        let g: Vec<Vec<Chunk>> = p.groups().map(<[Chunk]>::to_vec).collect();
+        for (i, gi) in g.iter().enumerate() {
+            assert_eq!(p.group(i), gi.as_slice(), "group {i}");
+        }
+        g
     }
 
     #[test]

@@ -1,41 +1,43 @@
-//! Posting one READ: plan it ([`super::plan::ReadPlan`]), record it as
-//! pending, then post each group with `fi_readmsg`, within the provider's
-//! queue depth and retrying `-FI_EAGAIN` for a bounded time.
+//! Posting READs without ever waiting: a READ is planned
+//! ([`super::plan::ReadPlan`]), recorded as pending and queued; [`Shared::pump`]
+//! posts queued groups with `fi_readmsg`, oldest READ first, while the
+//! provider's queue has room. A full queue or `-FI_EAGAIN` leaves the rest
+//! queued: whoever reaps completions next (the caller driving the CQ or the
+//! progress thread) pumps again. So back-pressure never blocks the posting
+//! thread (a tokio worker); a READ that can post nothing for
+//! [`POST_WINDOW`] (a dead connection never drains) fails.
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::ffi::{fi_error_string, sys};
 use super::plan::{Chunk, ReadPlan};
-use super::state::{OpCtx, PeerEntry, Pending, Shared};
+use super::state::{Backlog, OpCtx, PeerEntry, Pending, Queued, Shared};
 use crate::backend::{Completion, PeerSlot};
 use crate::error::DataplaneError;
 use crate::layout::Segment;
 
-/// How long one group may wait for queue space or retry `-FI_EAGAIN`.
+/// How long the oldest queued READ may go without posting a group (queue
+/// full, or `-FI_EAGAIN`) before it fails.
 const POST_WINDOW: Duration = Duration::from_secs(5);
 
-/// The IOVs of one `fi_readmsg`.
-struct Iovs {
-    local: Vec<sys::iovec>,
-    descs: Vec<*mut c_void>,
-    rma: Vec<sys::fi_rma_iov>,
+/// What one `fi_readmsg` attempt did.
+enum Post {
+    Posted,
+    /// No room now (`-FI_EAGAIN`): retry at the next pump.
+    Again,
+    Failed(DataplaneError),
 }
 
 impl Shared {
-    /// Posts the READ of `segments` from the peer in `slot`; resolves `done`
-    /// when every operation finished (or was never posted).
+    /// Queues the READ of `segments` from the peer in `slot` and posts what
+    /// fits now; resolves `done` when every operation finished (or was never
+    /// posted). Never waits for queue space.
     pub(crate) fn post_read(&self, slot: PeerSlot, segments: &[Segment], done: Completion) {
-        // Held until every group is posted: the peer's AV entry stays valid.
-        let peers = self.peers.read();
-        let Some(peer) = peers.get(slot.0).and_then(Option::as_ref) else {
-            drop(peers);
-            done.complete(Err(DataplaneError::PeerGone {
-                engine_id: format!("slot {}", slot.0),
-                reason: "peer removed".into(),
-            }));
+        if !self.peers.read().get(slot.0).is_some_and(Option::is_some) {
+            done.complete(Err(peer_gone(slot, "peer removed")));
             return;
-        };
+        }
         let limits = self.ep.limits;
         let plan = ReadPlan::new(segments, limits.max_msg_bytes, limits.iovs_per_read);
         if plan.is_empty() {
@@ -51,113 +53,215 @@ impl Shared {
                 done: Some(done),
             },
         );
-        let total = plan.len();
-        for (gi, g) in plan.groups().enumerate() {
-            if let Err(err) = self.post_group(slot, peer, read_id, g) {
-                // Account for this and every group not posted.
-                self.finish_ops(read_id, total - gi, Some(err));
-                break;
+        self.backlog.lock().queue.push_back(Queued {
+            slot,
+            read_id,
+            plan,
+            next: 0,
+            stalled_since: None,
+        });
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        self.pump();
+        // A caller that drives the CQ after posting needs no progress thread
+        // now; it hands over (and wakes it) when its spin ends.
+        if self.cfg.caller_spin_us == 0 {
+            self.wake();
+        }
+    }
+
+    /// Posts queued groups, oldest READ first, while the provider's queue has
+    /// room; fails the oldest READ when it is stalled past [`POST_WINDOW`] or
+    /// its peer is gone. Never waits.
+    pub(crate) fn pump(&self) {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut failed = Vec::new();
+        {
+            let mut backlog = self.backlog.lock();
+            // Held while posting: a peer's AV entry stays valid meanwhile.
+            let peers = self.peers.read();
+            let b = &mut *backlog;
+            let tx_size = self.ep.limits.tx_size;
+            // Peers that answered -FI_EAGAIN in this pump: their later READs
+            // wait (per-peer order), other peers' READs go on.
+            let mut blocked: Vec<usize> = Vec::new();
+            let mut i = 0;
+            while i < b.queue.len() && self.outstanding.load(Ordering::Acquire) < tx_size {
+                let q = &mut b.queue[i];
+                if blocked.contains(&q.slot.0) {
+                    i += 1;
+                    continue;
+                }
+                let outcome = match peers.get(q.slot.0).and_then(Option::as_ref) {
+                    None => Err(peer_gone(q.slot, "peer removed")),
+                    Some(p) if p.gone.load(Ordering::Acquire) => Err(peer_gone(
+                        q.slot,
+                        "peer disconnected while the READ was being posted",
+                    )),
+                    Some(p) => self.post_groups(q, p, &mut b.local, &mut b.descs, &mut b.rma),
+                };
+                let err = match outcome {
+                    Ok(true) => None,
+                    Ok(false) => {
+                        let since = *q.stalled_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() < POST_WINDOW {
+                            blocked.push(q.slot.0);
+                            i += 1;
+                            continue;
+                        }
+                        Some(stalled(self))
+                    }
+                    Err(e) => Some(e),
+                };
+                let q = b.queue.remove(i).expect("index in range");
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                if let Some(e) = err {
+                    failed.push((q.read_id, q.plan.len() - q.next, e));
+                }
+            }
+            // A full queue for the whole window fails the oldest READ too.
+            if let Some(q) = b.queue.front_mut()
+                && self.outstanding.load(Ordering::Acquire) >= tx_size
+                && q.stalled_since.get_or_insert_with(Instant::now).elapsed() >= POST_WINDOW
+            {
+                let q = b.queue.pop_front().expect("front exists");
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                failed.push((q.read_id, q.plan.len() - q.next, stalled(self)));
             }
         }
-        self.wake();
+        // Outside the locks: resolving a READ runs its completion.
+        for (read_id, unposted, err) in failed {
+            self.finish_ops(read_id, unposted, Some(err));
+        }
+    }
+
+    /// Posts `q`'s remaining groups while there is room: `Ok(true)` when all
+    /// are posted, `Ok(false)` when the rest must wait.
+    fn post_groups(
+        &self,
+        q: &mut Queued,
+        peer: &PeerEntry,
+        local: &mut Vec<sys::iovec>,
+        descs: &mut Vec<*mut c_void>,
+        rma: &mut Vec<sys::fi_rma_iov>,
+    ) -> Result<bool, DataplaneError> {
+        let tx_size = self.ep.limits.tx_size;
+        while q.next < q.plan.len() {
+            if self.outstanding.load(Ordering::Acquire) >= tx_size {
+                return Ok(false);
+            }
+            self.fill_iovs(peer, q.plan.group(q.next), local, descs, rma);
+            match self.post_one(peer, q.read_id, local, descs, rma) {
+                Post::Posted => {
+                    q.next += 1;
+                    q.stalled_since = None;
+                }
+                Post::Again => return Ok(false),
+                Post::Failed(e) => return Err(e),
+            }
+        }
+        Ok(true)
     }
 
     /// The IOVs of one group, local ones into our registrations.
-    fn iovs(&self, peer: &PeerEntry, group: &[Chunk]) -> Iovs {
-        let mut v = Iovs {
-            local: Vec::with_capacity(group.len()),
-            descs: Vec::with_capacity(group.len()),
-            rma: Vec::with_capacity(group.len()),
-        };
+    fn fill_iovs(
+        &self,
+        peer: &PeerEntry,
+        group: &[Chunk],
+        local: &mut Vec<sys::iovec>,
+        descs: &mut Vec<*mut c_void>,
+        rma: &mut Vec<sys::fi_rma_iov>,
+    ) {
+        local.clear();
+        descs.clear();
+        rma.clear();
         for c in group {
             let mr = &self.mrs[c.region as usize];
             let rr = peer.regions[c.region as usize];
-            v.local.push(sys::iovec {
+            local.push(sys::iovec {
                 iov_base: (mr.addr + c.local_offset) as *mut c_void,
                 iov_len: c.len as usize,
             });
-            v.descs.push(mr.desc);
-            v.rma.push(sys::fi_rma_iov {
+            descs.push(mr.desc);
+            rma.push(sys::fi_rma_iov {
                 addr: rr.base_addr + c.remote_offset,
                 len: c.len as usize,
                 key: rr.key,
             });
         }
-        v
     }
 
-    /// Posts one group as one operation of READ `read_id`.
-    ///
-    /// # Errors
-    /// [`DataplaneError::PeerGone`] when the peer was removed meanwhile,
-    /// [`DataplaneError::Backend`] when `fi_readmsg` failed (or kept
-    /// answering `-FI_EAGAIN` for [`POST_WINDOW`]).
-    fn post_group(
+    /// One `fi_readmsg` of READ `read_id` with the filled IOVs.
+    fn post_one(
         &self,
-        slot: PeerSlot,
         peer: &PeerEntry,
         read_id: u64,
-        group: &[Chunk],
-    ) -> Result<(), DataplaneError> {
-        let mut iovs = self.iovs(peer, group);
+        local: &[sys::iovec],
+        descs: &mut [*mut c_void],
+        rma: &[sys::fi_rma_iov],
+    ) -> Post {
         let ctx = Box::into_raw(Box::new(OpCtx {
             // SAFETY: fi_context2 is plain provider scratch space; all-zero is valid.
             ctx: unsafe { std::mem::zeroed() },
             read_id,
         }));
-        // Respect the provider's queue depth (bounded like the EAGAIN
-        // retries below; a peer being removed stops the wait).
-        let deadline = Instant::now() + POST_WINDOW;
-        let limits = self.ep.limits;
-        while self.outstanding.load(Ordering::Acquire) >= limits.tx_size
-            && Instant::now() < deadline
-            && !peer.gone.load(Ordering::Acquire)
-        {
-            self.wake();
-            std::thread::yield_now();
-        }
+        // Counted before the post: its completion may be reaped on another
+        // thread before `post` returns.
         self.outstanding.fetch_add(1, Ordering::AcqRel);
-        let ret = loop {
-            // SAFETY: the local IOVs point into our registrations, which live
-            // as long as `self`; `ctx` is reclaimed when its completion is read
-            // (or below, when the post fails).
-            let r = unsafe {
-                self.ep.post(
-                    peer.fi_addr,
-                    &iovs.local,
-                    &mut iovs.descs,
-                    &iovs.rma,
-                    ctx as *mut c_void,
-                )
-            };
-            if r == -(sys::FI_EAGAIN as isize)
-                && Instant::now() < deadline
-                && !peer.gone.load(Ordering::Acquire)
-            {
-                self.wake();
-                std::thread::yield_now();
-                continue;
-            }
-            break r;
+        // SAFETY: the local IOVs point into our registrations, which live as
+        // long as `self`; `ctx` is reclaimed when its completion is read (or
+        // below, when the post fails).
+        let r = unsafe {
+            self.ep
+                .post(peer.fi_addr, local, descs, rma, ctx as *mut c_void)
         };
-        if ret == 0 {
-            return Ok(());
+        if r == 0 {
+            return Post::Posted;
         }
         self.outstanding.fetch_sub(1, Ordering::AcqRel);
         // SAFETY: not posted, so the provider never saw `ctx`: reclaim it once.
         drop(unsafe { Box::from_raw(ctx) });
-        Err(if peer.gone.load(Ordering::Acquire) {
-            DataplaneError::PeerGone {
-                engine_id: format!("slot {}", slot.0),
-                reason: "peer disconnected while the READ was being posted".into(),
-            }
-        } else {
-            DataplaneError::Backend {
-                backend: self.ep.name(),
-                op: "fi_readmsg",
-                code: ret as i64,
-                message: fi_error_string(ret as i64),
-            }
+        if r == -(sys::FI_EAGAIN as isize) {
+            return Post::Again;
+        }
+        Post::Failed(DataplaneError::Backend {
+            backend: self.ep.name(),
+            op: "fi_readmsg",
+            code: r as i64,
+            message: fi_error_string(r as i64),
         })
+    }
+}
+
+impl Backlog {
+    /// An empty backlog.
+    pub(crate) fn new() -> Self {
+        Self {
+            queue: Default::default(),
+            local: Vec::new(),
+            descs: Vec::new(),
+            rma: Vec::new(),
+        }
+    }
+}
+
+/// The error of a READ that could post nothing for [`POST_WINDOW`].
+fn stalled(s: &Shared) -> DataplaneError {
+    DataplaneError::Backend {
+        backend: s.ep.name(),
+        op: "fi_readmsg",
+        code: -(sys::FI_EAGAIN as i64),
+        message: format!(
+            "nothing could be posted for {} s (provider queue full or -FI_EAGAIN)",
+            POST_WINDOW.as_secs()
+        ),
+    }
+}
+
+fn peer_gone(slot: PeerSlot, reason: &str) -> DataplaneError {
+    DataplaneError::PeerGone {
+        engine_id: format!("slot {}", slot.0),
+        reason: reason.into(),
     }
 }

@@ -1,39 +1,112 @@
-//! The progress thread: both the reader and the serving side need it
-//! (`tcp;ofi_rxm` moves nothing otherwise).
+//! Completion progress: who polls the completion queue.
+//!
+//! * The task awaiting a READ drives the CQ itself ([`Shared::drive`], one
+//!   caller at a time) for up to `caller_spin_us`: its completion is read and
+//!   resolved on its own thread, with no handoff to another thread and back.
+//! * The progress thread polls when no caller drives: READs that outlast the
+//!   callers' spin, and the serving side of providers that need target
+//!   progress (`tcp;ofi_rxm` moves nothing otherwise). While callers drive it
+//!   stays off the CQ, waking every `idle_sleep_us` to check.
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::state::{OpCtx, Shared};
 
-/// The progress thread's loop: polls the CQ and resolves READs; spins
-/// while operations are outstanding, for `spin_us` after activity and while
-/// a reader's hint is in force; otherwise parks with a backoff.
+/// The progress thread leaves the CQ to callers that polled it this recently.
+const DRIVE_DEFER: Duration = Duration::from_micros(100);
+
+impl Shared {
+    /// Polls the completion queue once: resolves what completed and posts
+    /// queued groups that now fit. Returns the completions read.
+    pub(crate) fn reap(&self) -> usize {
+        // Consecutive completions of one READ are accounted together (one
+        // `pending` lock per run, not per operation); an error flushes.
+        let mut run: Option<(u64, usize)> = None;
+        let n = self.ep.poll_cq_with(|(ctx, err)| {
+            if ctx.is_null() {
+                return;
+            }
+            // SAFETY: every context we post is a Box<OpCtx> leaked at post
+            // time, and its completion is read exactly once.
+            let op = unsafe { Box::from_raw(ctx as *mut OpCtx) };
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+            match run {
+                Some((id, ref mut ops)) if id == op.read_id && err.is_none() => *ops += 1,
+                _ => {
+                    if let Some((id, ops)) = run.take() {
+                        self.finish_ops(id, ops, None);
+                    }
+                    if err.is_some() {
+                        self.finish_ops(op.read_id, 1, err);
+                    } else {
+                        run = Some((op.read_id, 1));
+                    }
+                }
+            }
+        });
+        if let Some((id, ops)) = run {
+            self.finish_ops(id, ops, None);
+        }
+        self.pump();
+        n
+    }
+
+    /// One caller-driven poll of the CQ, unless another caller is polling
+    /// it right now. Returns whether anything completed.
+    pub(crate) fn drive(&self) -> bool {
+        if self.driving.swap(true, Ordering::Acquire) {
+            return false;
+        }
+        self.last_drive_ns
+            .store(self.now_ns().max(1), Ordering::Release);
+        let n = self.reap();
+        self.driving.store(false, Ordering::Release);
+        n > 0
+    }
+
+    /// A caller stopped driving before its READ completed: hand the CQ back
+    /// to the progress thread now.
+    pub(crate) fn drive_over(&self) {
+        self.last_drive_ns.store(0, Ordering::Release);
+        self.wake();
+    }
+
+    /// ns since `epoch`.
+    pub(crate) fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Whether a caller drove the CQ within [`DRIVE_DEFER`].
+    fn callers_drive(&self) -> bool {
+        let last = self.last_drive_ns.load(Ordering::Acquire);
+        last != 0 && self.now_ns().saturating_sub(last) < DRIVE_DEFER.as_nanos() as u64
+    }
+}
+
+/// The progress thread's loop: polls the CQ and resolves READs when no
+/// caller does; spins while operations are outstanding or queued, for
+/// `spin_us` after activity and while a reader's hint is in force;
+/// otherwise parks with a backoff.
 pub(crate) fn progress_loop(s: &Shared) {
-    let mut out = Vec::with_capacity(32);
     let spin = Duration::from_micros(s.cfg.spin_us);
     let min_sleep = Duration::from_micros(s.cfg.idle_sleep_us.max(1));
     let max_sleep = Duration::from_micros(s.cfg.idle_sleep_max_us.max(s.cfg.idle_sleep_us).max(1));
     let mut sleep = min_sleep;
     let mut last_activity = Instant::now();
     while !s.stop.load(Ordering::Acquire) {
-        out.clear();
-        if s.ep.poll_cq(&mut out) > 0 {
+        if !s.cfg.busy_poll && s.callers_drive() {
             last_activity = Instant::now();
             sleep = min_sleep;
-            for (ctx, err) in out.drain(..) {
-                if ctx.is_null() {
-                    continue;
-                }
-                // SAFETY: every context we post is a Box<OpCtx> leaked at post
-                // time, and its completion is read exactly once.
-                let op = unsafe { Box::from_raw(ctx as *mut OpCtx) };
-                s.outstanding.fetch_sub(1, Ordering::AcqRel);
-                s.finish_ops(op.read_id, 1, err);
-            }
+            idle_wait(s.waker, min_sleep);
             continue;
         }
-        if s.outstanding.load(Ordering::Acquire) > 0 {
+        if s.reap() > 0 {
+            last_activity = Instant::now();
+            sleep = min_sleep;
+            continue;
+        }
+        if s.outstanding.load(Ordering::Acquire) > 0 || s.queued.load(Ordering::Acquire) > 0 {
             last_activity = Instant::now();
             sleep = min_sleep;
             std::hint::spin_loop();
@@ -44,7 +117,7 @@ pub(crate) fn progress_loop(s: &Shared) {
         }
         if s.cfg.busy_poll
             || last_activity.elapsed() < spin
-            || (s.epoch.elapsed().as_nanos() as u64) < s.serve_until_ns.load(Ordering::Acquire)
+            || s.now_ns() < s.serve_until_ns.load(Ordering::Acquire)
         {
             std::hint::spin_loop();
             continue;

@@ -1,6 +1,6 @@
 //! State shared by the libfabric backend and its progress thread: the
 //! endpoint and registrations, the peer table, and the READs in flight.
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -9,7 +9,8 @@ use parking_lot::{Mutex, RwLock};
 
 use super::config::FabricConfig;
 use super::ffi::{Endpoint, Mr, sys};
-use crate::backend::{Completion, RemoteRegion};
+use super::plan::ReadPlan;
+use crate::backend::{Completion, PeerSlot, RemoteRegion};
 use crate::error::DataplaneError;
 
 /// Per-operation context handed to libfabric. `ctx` comes first so that the
@@ -31,6 +32,35 @@ pub(crate) struct Pending {
     /// Resolved when `remaining` reaches 0.
     pub(crate) done: Option<Completion>,
 }
+
+/// A READ whose groups are not all posted yet: it waits in [`Backlog`] for
+/// room in the provider's queue (or for `-FI_EAGAIN` to clear).
+pub(crate) struct Queued {
+    /// The peer it reads from.
+    pub(crate) slot: PeerSlot,
+    /// The READ its groups belong to.
+    pub(crate) read_id: u64,
+    /// Its `fi_readmsg` calls.
+    pub(crate) plan: ReadPlan,
+    /// The first group not posted yet.
+    pub(crate) next: usize,
+    /// Since when it has been at the front without posting anything.
+    pub(crate) stalled_since: Option<Instant>,
+}
+
+/// READs waiting to be posted, oldest first, and the IOV arrays reused by
+/// every post (they are only touched under the backlog's lock).
+pub(crate) struct Backlog {
+    pub(crate) queue: VecDeque<Queued>,
+    pub(crate) local: Vec<sys::iovec>,
+    pub(crate) descs: Vec<*mut c_void>,
+    pub(crate) rma: Vec<sys::fi_rma_iov>,
+}
+
+// SAFETY: the raw pointers in the IOV arrays point into this backend's own
+// registrations and are only read or written under the `Mutex` that holds
+// the backlog; nothing else aliases them.
+unsafe impl Send for Backlog {}
 
 /// A peer inserted into the AV.
 pub(crate) struct PeerEntry {
@@ -60,6 +90,15 @@ pub(crate) struct Shared {
     /// `retired` is not empty (checked by the progress loop without locking).
     pub(crate) retired_any: AtomicBool,
     pub(crate) pending: Mutex<HashMap<u64, Pending>>,
+    /// READs not fully posted (see [`Queued`]); posting never waits for room.
+    pub(crate) backlog: Mutex<Backlog>,
+    /// Entries in `backlog` (read without its lock).
+    pub(crate) queued: AtomicUsize,
+    /// Set while one caller polls the completion queue ([`Shared::drive`]).
+    pub(crate) driving: AtomicBool,
+    /// ns after `epoch` of the last caller-driven poll; 0 when no caller
+    /// drives. The progress thread stays off the CQ while callers drive.
+    pub(crate) last_drive_ns: AtomicU64,
     pub(crate) outstanding: AtomicUsize,
     pub(crate) next_read: AtomicU64,
     pub(crate) stop: AtomicBool,

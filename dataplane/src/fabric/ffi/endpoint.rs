@@ -308,6 +308,12 @@ impl Endpoint {
     /// Reads up to 32 completions into `out`; returns how many (an error
     /// completion counts as one, with its error).
     pub(crate) fn poll_cq(&self, out: &mut Vec<CqEvent>) -> usize {
+        self.poll_cq_with(|ev| out.push(ev))
+    }
+
+    /// As [`Endpoint::poll_cq`], handing each completion to `f` instead of
+    /// collecting them (no allocation on the caller-driven path).
+    pub(crate) fn poll_cq_with(&self, mut f: impl FnMut(CqEvent)) -> usize {
         // SAFETY: fi_cq_entry is a plain C struct; all-zero is a valid value.
         let mut entries: [sys::fi_cq_entry; 32] = unsafe { std::mem::zeroed() };
         // SAFETY: the CQ is open (owned by self) and was opened with
@@ -316,14 +322,14 @@ impl Endpoint {
             unsafe { sys::fi_cq_read(self.cq, entries.as_mut_ptr() as *mut c_void, entries.len()) };
         if n > 0 {
             for e in &entries[..n as usize] {
-                out.push((e.op_context, None));
+                f((e.op_context, None));
             }
             return n as usize;
         }
         if n == -(sys::FI_EAVAIL as isize)
             && let Some(ev) = self.read_cq_error()
         {
-            out.push(ev);
+            f(ev);
             return 1;
         }
         0
