@@ -16,7 +16,6 @@ use kvloop_dataplane::fabric::raw::RawReader;
 use kvloop_dataplane::region::RegionDesc;
 use kvloop_dataplane::{BlockPair, HostRegion, ReadRequest, TransferEngine};
 use serde::Serialize;
-use serde_json::json;
 
 use kvloop_cli::child::NodeChild;
 use kvloop_cli::engine_args::{BackendArg, EngineArgs};
@@ -40,6 +39,21 @@ pub struct BenchReadArgs {
     /// READs in flight.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 8])]
     pub outstanding: Vec<usize>,
+    /// vLLM-shaped rows instead of the block-size rows: KV registered per
+    /// layer and per K/V, one region each, `LAYERSxKVxBYTES` (e.g. `64x2x4K`)
+    /// or a preset: `qwen3-32b-tp8` (64 layers × K/V × 4 KiB: 16 tokens ×
+    /// 1 KV head × 128 dims × 2 bytes per rank) or `qwen3-32b-tp1` (× 32 KiB,
+    /// 8 KV heads); source: Qwen3-32B's `config.json` (64 layers, 8 KV heads,
+    /// head_dim 128, bf16) and vLLM's block of 16 tokens.
+    #[arg(long, value_delimiter = ',')]
+    pub layout: Vec<String>,
+    /// Blocks per READ of the `--layout` rows (each block is one descriptor
+    /// per region).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![100usize, 500, 2000])]
+    pub layout_blocks: Vec<usize>,
+    /// Largest READ of the `--layout` rows, bytes (rows above are skipped).
+    #[arg(long, default_value_t = 1 << 30)]
+    pub max_layout_read_bytes: u64,
     /// Largest READ measured, bytes (rows above are skipped).
     #[arg(long, default_value_t = 64 << 20)]
     pub max_read_bytes: u64,
@@ -63,7 +77,11 @@ pub struct Row {
     pub backend: String,
     /// Provider or plugin.
     pub provider: String,
-    /// Block size, bytes.
+    /// The `--layout` of the row; null for the block-size rows.
+    pub layout: Option<String>,
+    /// Regions (layers × K/V for a layout; 1 otherwise).
+    pub regions: u32,
+    /// Block size per region, bytes.
     pub block_bytes: u64,
     /// Blocks per READ.
     pub blocks_per_read: usize,
@@ -77,12 +95,24 @@ pub struct Row {
     pub ratio: Option<f64>,
     /// memcpy of the same bytes, GB/s.
     pub memcpy_gbps: f64,
+    /// Descriptors (block × region) per READ.
+    pub descriptors_per_read: u64,
+    /// kvloop descriptors READ per second, millions.
+    pub mdesc_per_s: f64,
+    /// Raw loop descriptors READ per second, millions; null for NIXL.
+    pub raw_mdesc_per_s: Option<f64>,
     /// kvloop READ latency p50, µs.
     pub p50_us: f64,
     /// kvloop READ latency p99, µs.
     pub p99_us: f64,
     /// READs measured in the kept kvloop run.
     pub reads: usize,
+    /// CPU time of this (reading) process per READ in the kept kvloop run,
+    /// µs: every thread (tokio workers and the progress thread).
+    pub cpu_us_per_read: f64,
+    /// The same for the kept raw run (the kvloop engine's idle progress
+    /// thread included); null for NIXL.
+    pub raw_cpu_us_per_read: Option<f64>,
 }
 
 /// Parses `4K`, `16M`, `1048576`.
@@ -98,6 +128,41 @@ pub fn parse_size(s: &str) -> Result<u64> {
         .parse::<u64>()
         .with_context(|| format!("block size `{s}`: expected a number with optional K/M/G"))?
         * mul)
+}
+
+/// One shape of READ rows: regions × block bytes, and the blocks per READ.
+#[derive(Clone, Debug)]
+struct Shape {
+    layout: Option<String>,
+    regions: u32,
+    block_bytes: u64,
+    blocks_per_read: Vec<usize>,
+}
+
+/// Parses a `--layout`: a preset or `LAYERSxKVxBYTES`; returns (regions,
+/// block bytes per region).
+pub fn parse_layout(s: &str) -> Result<(u32, u64)> {
+    match s {
+        "qwen3-32b-tp8" => return Ok((128, 4 << 10)),
+        "qwen3-32b-tp1" => return Ok((128, 32 << 10)),
+        _ => {}
+    }
+    let parts: Vec<&str> = s.split('x').collect();
+    let [layers, kv, bytes] = parts.as_slice() else {
+        bail!(
+            "--layout `{s}`: expected qwen3-32b-tp8, qwen3-32b-tp1 or LAYERSxKVxBYTES (e.g. 64x2x4K)"
+        );
+    };
+    let layers: u32 = layers
+        .parse()
+        .with_context(|| format!("--layout `{s}`: LAYERS must be a number"))?;
+    let kv: u32 = kv
+        .parse()
+        .with_context(|| format!("--layout `{s}`: KV must be 1 (MLA) or 2 (K and V)"))?;
+    if !(1..=2).contains(&kv) || layers == 0 {
+        bail!("--layout `{s}`: expected LAYERS ≥ 1 and KV of 1 or 2");
+    }
+    Ok((layers * kv, parse_size(bytes)?))
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -156,28 +221,53 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
     if let Some(pl) = &args.nixl {
         backends.push((BackendArg::Nixl, pl.clone()));
     }
-    let total_rows: usize = backends.len()
-        * sizes
+    let shapes: Vec<Shape> = if args.layout.is_empty() {
+        sizes
             .iter()
-            .map(|&b| {
-                args.blocks_per_read
+            .map(|&b| Shape {
+                layout: None,
+                regions: 1,
+                block_bytes: b,
+                blocks_per_read: args
+                    .blocks_per_read
                     .iter()
-                    .filter(|&&n| b * n as u64 <= args.max_read_bytes)
-                    .count()
+                    .copied()
+                    .filter(|&n| b * n as u64 <= args.max_read_bytes)
+                    .collect(),
             })
+            .collect()
+    } else {
+        args.layout
+            .iter()
+            .map(|l| {
+                let (regions, b) = parse_layout(l)?;
+                Ok(Shape {
+                    layout: Some(l.clone()),
+                    regions,
+                    block_bytes: b,
+                    blocks_per_read: args
+                        .layout_blocks
+                        .iter()
+                        .copied()
+                        .filter(|&n| regions as u64 * b * n as u64 <= args.max_layout_read_bytes)
+                        .collect(),
+                })
+            })
+            .collect::<Result<_>>()?
+    };
+    let total_rows: usize = backends.len()
+        * shapes
+            .iter()
+            .map(|s| s.blocks_per_read.len())
             .sum::<usize>()
         * args.outstanding.len();
     let bar = indicatif::ProgressBar::new(total_rows as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").unwrap());
     let mut rows = Vec::new();
     for (backend, provider) in &backends {
-        for &block in &sizes {
-            let bprs: Vec<usize> = args
-                .blocks_per_read
-                .iter()
-                .copied()
-                .filter(|&n| block * n as u64 <= args.max_read_bytes)
-                .collect();
+        for shape in &shapes {
+            let block = shape.block_bytes;
+            let bprs = &shape.blocks_per_read;
             let Some(&max_bpr) = bprs.iter().max() else {
                 continue;
             };
@@ -188,7 +278,7 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                 backend: *backend,
                 provider: provider.clone(),
                 nixl_plugin: provider.clone(),
-                num_regions: 1,
+                num_regions: shape.regions,
                 num_blocks,
                 block_bytes: block,
                 block_size_tokens: 16,
@@ -209,7 +299,10 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
             engine.connect(target.side_channel().parse()?).await?;
             let raw = match backend {
                 BackendArg::Libfabric => {
-                    let local = HostRegion::new("bench-raw", (num_blocks as u64 * block) as usize)?;
+                    let local = HostRegion::new(
+                        "bench-raw",
+                        (shape.regions as u64 * num_blocks as u64 * block) as usize,
+                    )?;
                     let md = engine
                         .peer_metadata("bench-target")
                         .context("target metadata")?;
@@ -223,17 +316,19 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                 }
                 BackendArg::Nixl => None,
             };
-            for &bpr in &bprs {
+            for &bpr in bprs {
                 for &out in &args.outstanding {
-                    bar.set_message(format!("{provider} {block} B x{bpr} o{out}"));
+                    bar.set_message(format!(
+                        "{provider} {}x{block} B x{bpr} o{out}",
+                        shape.regions
+                    ));
                     let row = measure(
                         &engine,
                         raw.as_ref().map(|r| &r.0),
-                        *backend,
-                        provider,
-                        block,
-                        bpr,
-                        out,
+                        (*backend, provider),
+                        shape,
+                        num_blocks,
+                        (bpr, out),
                         &args,
                     )
                     .await?;
@@ -254,17 +349,17 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn measure(
     engine: &TransferEngine,
     raw: Option<&RawReader>,
-    backend: BackendArg,
-    provider: &str,
-    block: u64,
-    bpr: usize,
-    outstanding: usize,
+    (backend, provider): (BackendArg, &str),
+    shape: &Shape,
+    num_blocks: u32,
+    (bpr, outstanding): (usize, usize),
     args: &BenchReadArgs,
 ) -> Result<Row> {
+    let block = shape.block_bytes;
+    let regions = shape.regions as u64;
     // Strided block ids (remote 0,2,4..; local 1,3,5..) so that no two
     // blocks coalesce: kvloop and raw post the same descriptor lists.
     let pairs: Vec<BlockPair> = (0..bpr as u64)
@@ -273,42 +368,55 @@ async fn measure(
             local: 2 * i + 1,
         })
         .collect();
-    let bytes_per_read = block * bpr as u64;
+    let descriptors = bpr as u64 * regions;
+    let bytes_per_read = block * descriptors;
     let budget = Duration::from_millis(args.ms_per_run);
     let max_reads = ((512u64 << 20) / bytes_per_read).clamp(16, 4000) as usize;
     // Warm-up.
     kv_run(engine, &pairs, 1, 4.min(max_reads), Duration::from_secs(5)).await?;
-    let mut best: Option<(f64, Vec<Duration>)> = None;
-    let mut raw_best: Option<f64> = None;
+    let mut best: Option<(f64, Vec<Duration>, f64)> = None;
+    let mut raw_best: Option<(f64, f64)> = None;
     for _ in 0..2 {
+        let cpu0 = process_cpu();
         let (secs, lats) = kv_run(engine, &pairs, outstanding, max_reads, budget).await?;
+        let cpu_us = (process_cpu() - cpu0).as_secs_f64() * 1e6 / lats.len().max(1) as f64;
         let gbps = lats.len() as f64 * bytes_per_read as f64 / secs / 1e9;
-        if best.as_ref().is_none_or(|(g, _)| gbps > *g) {
-            best = Some((gbps, lats.clone()));
+        if best.as_ref().is_none_or(|(g, _, _)| gbps > *g) {
+            best = Some((gbps, lats.clone(), cpu_us));
         }
         if let Some(raw) = raw {
             let limits = raw.limits();
             let chunk = limits.max_msg_bytes.max(4096);
+            // The raw reader's one local buffer holds the regions back to back.
             let mut one = Vec::new();
-            for p in &pairs {
-                let mut off = 0;
-                while off < block {
-                    let len = (block - off).min(chunk);
-                    one.push((0u32, p.remote * block + off, p.local * block + off, len));
-                    off += len;
+            for r in 0..regions {
+                for p in &pairs {
+                    let mut off = 0;
+                    while off < block {
+                        let len = (block - off).min(chunk);
+                        let local = (r * num_blocks as u64 + p.local) * block + off;
+                        one.push((r as u32, p.remote * block + off, local, len));
+                        off += len;
+                    }
                 }
             }
             let n = lats.len().max(4);
             let reads = vec![one; n];
+            let cpu0 = process_cpu();
             let t = Instant::now();
             let r = tokio::task::block_in_place(|| {
                 raw.run(&reads, outstanding, Duration::from_secs(10))
             })?;
             let g = r.len() as f64 * bytes_per_read as f64 / t.elapsed().as_secs_f64() / 1e9;
-            raw_best = Some(raw_best.map_or(g, |b: f64| b.max(g)));
+            let cpu_us = (process_cpu() - cpu0).as_secs_f64() * 1e6 / r.len().max(1) as f64;
+            if raw_best.is_none_or(|(b, _)| g > b) {
+                raw_best = Some((g, cpu_us));
+            }
         }
     }
-    let (gbps, mut lats) = best.unwrap();
+    let (gbps, mut lats, cpu_us_per_read) = best.unwrap();
+    let raw_cpu_us_per_read = raw_best.map(|(_, c)| c);
+    let raw_best = raw_best.map(|(g, _)| g);
     lats.sort_unstable();
     let memcpy_gbps = memcpy_gbps(bytes_per_read as usize);
     Ok(Row {
@@ -317,6 +425,8 @@ async fn measure(
             BackendArg::Nixl => "nixl".into(),
         },
         provider: provider.to_string(),
+        layout: shape.layout.clone(),
+        regions: shape.regions,
         block_bytes: block,
         blocks_per_read: bpr,
         outstanding,
@@ -324,10 +434,26 @@ async fn measure(
         raw_gbps: raw_best,
         ratio: raw_best.map(|r| gbps / r),
         memcpy_gbps,
+        descriptors_per_read: descriptors,
+        mdesc_per_s: gbps * 1e9 / block as f64 / 1e6,
+        raw_mdesc_per_s: raw_best.map(|g| g * 1e9 / block as f64 / 1e6),
         p50_us: pct(&lats, 0.50),
         p99_us: pct(&lats, 0.99),
         reads: lats.len(),
+        cpu_us_per_read,
+        raw_cpu_us_per_read,
     })
+}
+
+/// CPU time of this process, every thread (`CLOCK_PROCESS_CPUTIME_ID`).
+fn process_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// Runs READs with `outstanding` in flight until `max_reads` or `budget`.
@@ -391,34 +517,44 @@ fn human(b: u64) -> String {
 
 fn print_table(rows: &[Row]) {
     println!(
-        "{:<10} {:<12} {:>6} {:>5} {:>4} {:>9} {:>9} {:>6} {:>9} {:>9} {:>9}",
+        "{:<10} {:<12} {:>4} {:>6} {:>5} {:>4} {:>9} {:>9} {:>6} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8}",
         "backend",
         "provider",
+        "regs",
         "block",
         "blk/R",
         "out",
         "GB/s",
         "raw GB/s",
         "ratio",
+        "Mdesc/s",
+        "raw Md/s",
         "memcpy",
         "p50 µs",
-        "p99 µs"
+        "p99 µs",
+        "CPU µs/R",
+        "raw CPU"
     );
+    let opt = |v: Option<f64>, prec: usize| v.map_or("-".into(), |g| format!("{g:.prec$}"));
     for r in rows {
         println!(
-            "{:<10} {:<12} {:>6} {:>5} {:>4} {:>9.3} {:>9} {:>6} {:>9.2} {:>9.1} {:>9.1}",
+            "{:<10} {:<12} {:>4} {:>6} {:>5} {:>4} {:>9.3} {:>9} {:>6} {:>8.3} {:>8} {:>9.2} {:>9.1} {:>9.1} {:>8.1} {:>8}",
             r.backend,
             r.provider,
+            r.regions,
             human(r.block_bytes),
             r.blocks_per_read,
             r.outstanding,
             r.gbps,
-            r.raw_gbps.map_or("-".into(), |g| format!("{g:.3}")),
-            r.ratio.map_or("-".into(), |g| format!("{g:.2}")),
+            opt(r.raw_gbps, 3),
+            opt(r.ratio, 2),
+            r.mdesc_per_s,
+            opt(r.raw_mdesc_per_s, 3),
             r.memcpy_gbps,
             r.p50_us,
-            r.p99_us
+            r.p99_us,
+            r.cpu_us_per_read,
+            opt(r.raw_cpu_us_per_read, 1)
         );
     }
-    let _ = json!({});
 }
