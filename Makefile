@@ -69,6 +69,7 @@ demo-cluster-hold: build
 bench: build
 	target/release/kvloop bench read --nixl UCX
 	target/release/kvloop bench read --netns --provider 'tcp;ofi_rxm' --block-sizes 64K,1M,16M
+	target/release/kvloop bench read --provider 'tcp;ofi_rxm',shm --layout qwen3-32b-tp8,qwen3-32b-tp1 --outstanding 1
 	cargo bench -p kvloop-probes --bench probe_cost
 	cargo bench -p kvloop-router --bench router_bench
 	cargo run --release -p kvloop-costmodel --example sim_report

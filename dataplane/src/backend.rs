@@ -107,16 +107,23 @@ pub trait TransferBackend: Send + Sync + 'static {
     fn caller_spin(&self) -> std::time::Duration {
         std::time::Duration::ZERO
     }
-    /// Polls for completions once on the caller's thread (resolving any
-    /// READ that completed, not only the caller's); `true` when something
-    /// completed. Cheap and non-blocking; returns at once when another
-    /// caller is polling. Default: nothing.
-    fn drive(&self) -> bool {
+    /// Takes the caller-driver role: `true` when this caller is now the one
+    /// that polls completions ([`TransferBackend::drive`]) until it calls
+    /// [`TransferBackend::drive_end`]; `false` when another caller holds it
+    /// (that caller, or the backend's progress after it, completes this
+    /// caller's READ too) or the backend has no caller-driven progress.
+    /// One driver at a time keeps the other awaiting tasks parked instead of
+    /// spinning on every runtime worker. Default: `false`.
+    fn drive_begin(&self) -> bool {
         false
     }
-    /// The caller stopped driving with its READ still in flight: the
-    /// backend's own progress takes over now. Default: nothing.
-    fn drive_over(&self) {}
+    /// Polls for completions once on the driver's thread (resolving any
+    /// READ that completed, not only the driver's). Cheap and non-blocking;
+    /// only the holder of the role calls it. Default: nothing.
+    fn drive(&self) {}
+    /// Gives the role up; when anything is still in flight the backend's own
+    /// progress takes over at once. Default: nothing.
+    fn drive_end(&self) {}
     /// A peer is about to READ this engine's memory for about `expected`:
     /// keep serving-side progress active that long. Default: nothing (NIXL's
     /// UCX backend makes its own progress).

@@ -37,6 +37,10 @@ struct Peer {
     addr: SocketAddr,
     tx: mpsc::UnboundedSender<Message>,
     generation: u64,
+    /// Until when (ns after [`Inner::epoch`]) the peer's serving side is
+    /// known to be awake from our last [`Message::ReadHint`]: READs inside
+    /// the window send no further hint.
+    hint_until_ns: AtomicU64,
 }
 
 struct Inner {
@@ -51,6 +55,8 @@ struct Inner {
     quarantine: SharedQuarantine,
     next_xfer: AtomicU64,
     next_generation: AtomicU64,
+    /// Origin of the peers' hint windows.
+    epoch: std::time::Instant,
 }
 
 /// An engine's transfer endpoint. Cheap to clone.
@@ -107,6 +113,7 @@ impl TransferEngine {
             quarantine: SharedQuarantine::default(),
             next_xfer: AtomicU64::new(1),
             next_generation: AtomicU64::new(1),
+            epoch: std::time::Instant::now(),
         });
         let weak = Arc::downgrade(&inner);
         let accept = tokio::spawn(async move {

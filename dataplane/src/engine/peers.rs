@@ -137,6 +137,7 @@ impl Inner {
                 addr,
                 tx,
                 generation,
+                hint_until_ns: std::sync::atomic::AtomicU64::new(0),
             },
         );
         if let Some(old) = old {

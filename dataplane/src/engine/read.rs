@@ -1,7 +1,7 @@
 //! READ requests and their outcome, the bounds checks done before anything
 //! is posted, and [`TransferEngine::read`].
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvloop_common::{ReadProbeArgs, status};
@@ -56,9 +56,10 @@ impl TransferEngine {
         let start = Instant::now();
         kvloop_common::usdt::read_post(&probe);
         // Wake the owner's serving-side progress for about the READ's duration
-        // (estimated at 1 GB/s, a low rate for the paths kvloop runs on).
-        if t.hint {
-            let _ = t.peer_tx.send(Message::ReadHint { bytes });
+        // (estimated at 1 GB/s, a low rate for the paths kvloop runs on),
+        // unless an earlier hint's window still covers it.
+        if let Some(hint_bytes) = t.hint_bytes {
+            let _ = t.peer_tx.send(Message::ReadHint { bytes: hint_bytes });
         }
         let locals: Vec<u64> = req.blocks.iter().map(|b| b.local).collect();
         let result = match self
@@ -101,10 +102,17 @@ impl TransferEngine {
                 .ok_or_else(|| DataplaneError::UnknownPeer {
                     engine_id: req.peer_engine_id.clone(),
                 })?;
+            let hint_bytes = needs_serving_progress(&p.metadata.backend)
+                .then(|| {
+                    let bytes = req.blocks.len() as u64 * inner.cfg.layout.bytes_per_block_id();
+                    let now_ns = inner.epoch.elapsed().as_nanos() as u64;
+                    hint_window(&p.hint_until_ns, now_ns, bytes)
+                })
+                .flatten();
             let t = Target {
                 slot: p.slot,
                 peer_tx: p.tx.clone(),
-                hint: needs_serving_progress(&p.metadata.backend),
+                hint_bytes,
             };
             (t, p.metadata.layout)
         };
@@ -142,66 +150,84 @@ impl TransferEngine {
             .rx
             .as_mut()
             .expect("receiver taken only by the guard");
-        let waited = driven_wait(&**inner.backend, rx);
-        let r = tokio::time::timeout(Duration::from_millis(timeout_ms), waited)
-            .await
-            .ok()?;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let r = driven_wait(&**inner.backend, rx, deadline).await?;
         pending.rx = None;
         Some(r.unwrap_or(Err(DataplaneError::Shutdown)))
     }
 }
 
-/// Waits for a READ's result, first driving the backend's completions on
-/// this task (yielding to other tasks between polls) for up to
-/// [`TransferBackend::caller_spin`], then leaving them to the backend's own
-/// progress. Cancel-safe: dropped while driving, it hands the completions
-/// back to the backend's progress (the READ still completes and releases
-/// its quarantined blocks).
+/// Waits until `deadline` for a READ's result (`None` when it passed),
+/// first driving the backend's completions on this task (yielding to other
+/// tasks between polls) for up to [`TransferBackend::caller_spin`] when no
+/// other task drives them, then leaving them to the backend's own progress.
+/// A READ that completes while its caller drives costs no timer. Cancel-safe:
+/// dropped while driving, it gives the role up and the backend's progress
+/// completes the READ (and releases its quarantined blocks).
+///
+/// [`TransferBackend::caller_spin`]: crate::backend::TransferBackend::caller_spin
 async fn driven_wait(
     backend: &dyn crate::backend::TransferBackend,
     rx: &mut tokio::sync::oneshot::Receiver<Result<()>>,
-) -> std::result::Result<Result<()>, tokio::sync::oneshot::error::RecvError> {
+    deadline: tokio::time::Instant,
+) -> Option<std::result::Result<Result<()>, tokio::sync::oneshot::error::RecvError>> {
     use tokio::sync::oneshot::error::TryRecvError;
-    /// Hands the CQ back when the spin ends before the READ completed
-    /// (spin over, or this future dropped).
-    struct HandOver<'a>(Option<&'a dyn crate::backend::TransferBackend>);
-    impl Drop for HandOver<'_> {
+    /// Gives the driver role up however the spin ends.
+    struct DriveEnd<'a>(&'a dyn crate::backend::TransferBackend);
+    impl Drop for DriveEnd<'_> {
         fn drop(&mut self) {
-            if let Some(b) = self.0 {
-                b.drive_over();
-            }
+            self.0.drive_end();
         }
     }
     let spin = backend.caller_spin();
-    if !spin.is_zero() {
-        let mut hand_over = HandOver(Some(backend));
+    if !spin.is_zero() && backend.drive_begin() {
+        let _end = DriveEnd(backend);
         let until = Instant::now() + spin;
         loop {
             backend.drive();
             match rx.try_recv() {
-                Ok(r) => {
-                    // Completed on this task: the next READ's caller drives
-                    // on, or the backend's progress takes over when none does.
-                    hand_over.0 = None;
-                    return Ok(r);
-                }
+                Ok(r) => return Some(Ok(r)),
                 Err(TryRecvError::Closed) => break,
                 Err(TryRecvError::Empty) => {}
             }
-            if Instant::now() >= until {
+            if Instant::now() >= until || tokio::time::Instant::now() >= deadline {
                 break;
             }
             tokio::task::yield_now().await;
         }
     }
-    rx.await
+    tokio::time::timeout_at(deadline, rx).await.ok()
 }
 
 /// The peer a READ goes to.
 struct Target {
     slot: PeerSlot,
     peer_tx: mpsc::UnboundedSender<Message>,
-    hint: bool,
+    /// The [`Message::ReadHint`] to send first, if any.
+    hint_bytes: Option<u64>,
+}
+
+/// Shortest serving window a hint asks for: 1 ms at the hint's 1 GB/s
+/// (10^6 bytes). Back-to-back small READs then send one hint per ms, not one
+/// each (a side-channel write and a wake-up of the owner's task per READ
+/// cost both processes CPU and put a tail on small READs).
+const MIN_HINT_BYTES: u64 = 1_000_000;
+
+/// Longest window one hint buys: the owner caps a hint at 1 s
+/// (`FabricBackend::kick`).
+const MAX_HINT_NS: u64 = 1_000_000_000;
+
+/// Whether a READ of `bytes` at `now_ns` needs a new hint, given the window
+/// the last one bought (`until_ns`, updated when a hint is due): `Some(bytes
+/// to ask for)` when the window ends before the READ would (1 byte/ns).
+fn hint_window(until_ns: &AtomicU64, now_ns: u64, bytes: u64) -> Option<u64> {
+    let needed = now_ns + bytes.min(MAX_HINT_NS);
+    if needed <= until_ns.load(Ordering::Acquire) {
+        return None;
+    }
+    let ask = bytes.max(MIN_HINT_BYTES);
+    until_ns.store(now_ns + ask.min(MAX_HINT_NS), Ordering::Release);
+    Some(ask)
 }
 
 /// The probe status of a READ's result.
@@ -262,6 +288,24 @@ mod tests {
             block_len_bytes: 4096,
             block_size_tokens: 16,
         }
+    }
+
+    #[test]
+    fn one_hint_covers_back_to_back_small_reads() {
+        let until = AtomicU64::new(0);
+        // first READ: a hint of at least 1 ms
+        assert_eq!(hint_window(&until, 0, 4096), Some(MIN_HINT_BYTES));
+        // inside the window: none
+        assert_eq!(hint_window(&until, 500_000, 4096), None);
+        assert_eq!(hint_window(&until, 995_000, 4096), None);
+        // one that would outlast the window: a new hint sized by the READ
+        assert_eq!(hint_window(&until, 996_000, 8 << 20), Some(8 << 20));
+        assert_eq!(until.load(Ordering::Relaxed), 996_000 + (8 << 20));
+        // past the window: a new hint
+        assert_eq!(hint_window(&until, 20_000_000, 4096), Some(MIN_HINT_BYTES));
+        // a READ longer than the owner's 1 s cap buys at most 1 s
+        assert_eq!(hint_window(&until, 30_000_000, 5 << 30), Some(5 << 30));
+        assert_eq!(until.load(Ordering::Relaxed), 30_000_000 + MAX_HINT_NS);
     }
 
     #[test]

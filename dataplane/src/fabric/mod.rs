@@ -247,12 +247,16 @@ impl TransferBackend for FabricBackend {
         Duration::from_micros(self.shared.cfg.caller_spin_us)
     }
 
-    fn drive(&self) -> bool {
-        self.shared.drive()
+    fn drive_begin(&self) -> bool {
+        self.shared.drive_begin()
     }
 
-    fn drive_over(&self) {
-        self.shared.drive_over();
+    fn drive(&self) {
+        self.shared.drive();
+    }
+
+    fn drive_end(&self) {
+        self.shared.drive_end();
     }
 }
 

@@ -1,8 +1,11 @@
 //! Completion progress: who polls the completion queue.
 //!
-//! * The task awaiting a READ drives the CQ itself ([`Shared::drive`], one
-//!   caller at a time) for up to `caller_spin_us`: its completion is read and
-//!   resolved on its own thread, with no handoff to another thread and back.
+//! * The task awaiting a READ drives the CQ itself ([`Shared::drive`]) for up
+//!   to `caller_spin_us`: its completion is read and resolved on its own
+//!   thread, with no handoff to another thread and back. One caller holds the
+//!   driver role at a time ([`Shared::drive_begin`]); the others stay parked
+//!   and are completed by the driver, or by this thread once the driver
+//!   leaves with work in flight ([`Shared::drive_end`]).
 //! * The progress thread polls when no caller drives: READs that outlast the
 //!   callers' spin, and the serving side of providers that need target
 //!   progress (`tcp;ofi_rxm` moves nothing otherwise). While callers drive it
@@ -52,24 +55,32 @@ impl Shared {
         n
     }
 
-    /// One caller-driven poll of the CQ, unless another caller is polling
-    /// it right now. Returns whether anything completed.
-    pub(crate) fn drive(&self) -> bool {
-        if self.driving.swap(true, Ordering::Acquire) {
+    /// Takes the caller-driver role unless another caller holds it.
+    pub(crate) fn drive_begin(&self) -> bool {
+        if self.driving.swap(true, Ordering::SeqCst) {
             return false;
         }
         self.last_drive_ns
             .store(self.now_ns().max(1), Ordering::Release);
-        let n = self.reap();
-        self.driving.store(false, Ordering::Release);
-        n > 0
+        true
     }
 
-    /// A caller stopped driving before its READ completed: hand the CQ back
-    /// to the progress thread now.
-    pub(crate) fn drive_over(&self) {
-        self.last_drive_ns.store(0, Ordering::Release);
-        self.wake();
+    /// One caller-driven poll of the CQ (the role's holder only).
+    pub(crate) fn drive(&self) {
+        self.last_drive_ns
+            .store(self.now_ns().max(1), Ordering::Release);
+        self.reap();
+    }
+
+    /// Gives the role up. With operations still outstanding or queued (the
+    /// driver's own READ after its spin, or parked callers' READs) the
+    /// progress thread takes the CQ at once instead of deferring.
+    pub(crate) fn drive_end(&self) {
+        self.driving.store(false, Ordering::SeqCst);
+        if self.outstanding.load(Ordering::SeqCst) > 0 || self.queued.load(Ordering::SeqCst) > 0 {
+            self.last_drive_ns.store(0, Ordering::Release);
+            self.wake();
+        }
     }
 
     /// ns since `epoch`.

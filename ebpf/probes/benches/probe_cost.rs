@@ -6,7 +6,8 @@
 //! 2. READ throughput through kvloop's dataplane (two engines in this
 //!    process) at 64 KiB and 1 MiB, every probe detached vs attached
 //!    (tracepoints + USDT sites, + NIXL library probes on the NIXL backend),
-//!    alternating rounds. Target: ≤ 1 % loss at ≥ 64 KiB.
+//!    alternating rounds, with this process's CPU time per READ and the CPU
+//!    the probes add per READ. Target: ≤ 1 % loss at ≥ 64 KiB.
 //!
 //! Needs root for the attached rows (prints why and only the detached rows
 //! otherwise). `KVLOOP_BENCH_SECS` sets the seconds per throughput round
@@ -153,8 +154,16 @@ fn main() {
     }
 
     println!("\n## READ throughput through the dataplane, probes detached vs attached\n");
-    println!("| backend | READ size | probes | READs | GiB/s | p50 µs | throughput change |");
-    println!("|---|---:|---|---:|---:|---:|---:|");
+    println!(
+        "CPU µs/READ: this process's CPU time (every thread, user + kernel, both engines) per READ."
+    );
+    println!(
+        "CPU added: median over paired rounds of attached − detached, and its share of detached.\n"
+    );
+    println!(
+        "| backend | READ size | probes | READs | GiB/s | p50 µs | CPU µs/READ | CPU added per READ | throughput change |"
+    );
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -167,7 +176,7 @@ fn main() {
     for backend in ["shm", "nixl"] {
         if backend == "nixl" && !nixl_ok {
             println!(
-                "| nixl | - | - | - | - | - | runtime missing at {} |",
+                "| nixl | - | - | - | - | - | - | - | runtime missing at {} |",
                 nixl_dir.display()
             );
             continue;
@@ -183,7 +192,7 @@ fn main() {
                 &nixl_dir,
             ));
             if let Err(e) = r {
-                println!("| {backend} | {size} | - | - | - | - | error: {e} |");
+                println!("| {backend} | {size} | - | - | - | - | - | - | error: {e} |");
             }
         }
     }
@@ -194,6 +203,27 @@ struct Round {
     bytes: u64,
     elapsed: Duration,
     lat_us: Vec<f64>,
+    /// CPU time of this process (every thread, user + kernel) in the round.
+    cpu: Duration,
+}
+
+impl Round {
+    fn cpu_us_per_read(&self) -> f64 {
+        self.cpu.as_secs_f64() * 1e6 / self.reads.max(1) as f64
+    }
+}
+
+/// CPU time of this process, every thread (`CLOCK_PROCESS_CPUTIME_ID`):
+/// uprobe traps and BPF programs run in the kernel on the probed thread, so
+/// they are counted here.
+fn process_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 async fn throughput(
@@ -248,11 +278,13 @@ async fn throughput(
     p.connect(d.side_channel_addr()).await?;
     let round = |dur: Duration| async move {
         let t = Instant::now();
+        let cpu0 = process_cpu();
         let mut r = Round {
             reads: 0,
             bytes: 0,
             elapsed: Duration::ZERO,
             lat_us: Vec::new(),
+            cpu: Duration::ZERO,
         };
         while t.elapsed() < dur {
             let i = r.reads;
@@ -274,6 +306,7 @@ async fn throughput(
             r.bytes += out.bytes;
         }
         r.elapsed = t.elapsed();
+        r.cpu = process_cpu() - cpu0;
         anyhow::Ok(r)
     };
     round(Duration::from_millis(200)).await?; // warm-up
@@ -311,15 +344,21 @@ async fn throughput(
         let mut lat: Vec<f64> = rs.iter().flat_map(|r| r.lat_us.iter().copied()).collect();
         lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let p50 = lat.get(lat.len() / 2).copied().unwrap_or(0.0);
-        (reads, bytes as f64 / el / (1u64 << 30) as f64, p50)
+        let cpu: f64 = rs.iter().map(|r| r.cpu.as_secs_f64()).sum();
+        (
+            reads,
+            bytes as f64 / el / (1u64 << 30) as f64,
+            p50,
+            cpu * 1e6 / reads.max(1) as f64,
+        )
     };
-    let (r0, g0, l0) = summarize(&off);
+    let (r0, g0, l0, c0) = summarize(&off);
     println!(
-        "| {backend} | {} KiB | detached | {r0} | {g0:.2} | {l0:.1} | - |",
+        "| {backend} | {} KiB | detached | {r0} | {g0:.2} | {l0:.1} | {c0:.2} | - | - |",
         size / 1024
     );
     if !on.is_empty() {
-        let (r1, g1, l1) = summarize(&on);
+        let (r1, g1, l1, c1) = summarize(&on);
         let what = if backend == "nixl" {
             "attached (tracepoints + sites + NIXL lib)"
         } else {
@@ -336,9 +375,18 @@ async fn throughput(
             .collect();
         ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let med = ratios[ratios.len() / 2];
+        // CPU added per READ: median of the paired rounds' differences.
+        let mut added: Vec<f64> = off
+            .iter()
+            .zip(&on)
+            .map(|(a, b)| b.cpu_us_per_read() - a.cpu_us_per_read())
+            .collect();
+        added.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let added_med = added[added.len() / 2];
         println!(
-            "| {backend} | {} KiB | {what} | {r1} | {g1:.2} | {l1:.1} | {:+.1} % (median of {} paired rounds; all-rounds {:+.1} %) |",
+            "| {backend} | {} KiB | {what} | {r1} | {g1:.2} | {l1:.1} | {c1:.2} | {added_med:+.2} µs ({:+.1} %) | {:+.1} % (median of {} paired rounds; all-rounds {:+.1} %) |",
             size / 1024,
+            added_med / c0 * 100.0,
             (med - 1.0) * 100.0,
             ratios.len(),
             (g1 / g0 - 1.0) * 100.0
