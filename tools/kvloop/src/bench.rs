@@ -1,7 +1,7 @@
 //! `kvloop bench read`: READ throughput and latency of the transfer engine,
-//! side by side in the same run with (a) a raw libfabric READ loop on the
-//! same provider and the same descriptor lists (no kvloop layers) and (b)
-//! `memcpy` of the same bytes. The serving engine is a second process (in a
+//! side by side in the same run with (a) a raw loop on the same backend and
+//! the same descriptor lists (no kvloop layers): raw libfabric on the same
+//! provider, raw NIXL on the same plugin; and (b) `memcpy` of the same bytes. The serving engine is a second process (in a
 //! second network namespace with `--netns`).
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,6 +13,8 @@ use clap::Args;
 use kvloop_common::Direction;
 use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::fabric::raw::RawReader;
+use kvloop_dataplane::nixl::NixlConfig;
+use kvloop_dataplane::nixl::raw::RawNixlReader;
 use kvloop_dataplane::region::RegionDesc;
 use kvloop_dataplane::{BlockPair, HostRegion, ReadRequest, TransferEngine};
 use serde::Serialize;
@@ -27,7 +29,8 @@ pub struct BenchReadArgs {
     /// libfabric providers to measure (repeat or comma-separate).
     #[arg(long, value_delimiter = ',', default_values_t = vec!["tcp;ofi_rxm".to_string(), "shm".to_string()])]
     pub provider: Vec<String>,
-    /// Also measure the NIXL backend with this plugin (no raw baseline).
+    /// Also measure the NIXL backend with this plugin (against a raw NIXL
+    /// loop on the same plugin).
     #[arg(long)]
     pub nixl: Option<String>,
     /// Block sizes, bytes (suffixes K, M).
@@ -89,7 +92,7 @@ pub struct Row {
     pub outstanding: usize,
     /// kvloop engine throughput, GB/s (10^9 bytes/s).
     pub gbps: f64,
-    /// Raw libfabric loop throughput, GB/s; null for NIXL.
+    /// Raw loop throughput (raw libfabric, or raw NIXL for the NIXL rows), GB/s.
     pub raw_gbps: Option<f64>,
     /// gbps / raw_gbps.
     pub ratio: Option<f64>,
@@ -99,7 +102,7 @@ pub struct Row {
     pub descriptors_per_read: u64,
     /// kvloop descriptors READ per second, millions.
     pub mdesc_per_s: f64,
-    /// Raw loop descriptors READ per second, millions; null for NIXL.
+    /// Raw loop descriptors READ per second, millions.
     pub raw_mdesc_per_s: Option<f64>,
     /// kvloop READ latency p50, µs.
     pub p50_us: f64,
@@ -111,7 +114,7 @@ pub struct Row {
     /// µs: every thread (tokio workers and the progress thread).
     pub cpu_us_per_read: f64,
     /// The same for the kept raw run (the kvloop engine's idle progress
-    /// thread included); null for NIXL.
+    /// thread included).
     pub raw_cpu_us_per_read: Option<f64>,
 }
 
@@ -297,24 +300,34 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
             let target = NodeChild::spawn(cmd)?;
             let engine = eargs.start().await?;
             engine.connect(target.side_channel().parse()?).await?;
+            // The raw reader's one local buffer holds the regions back to back.
+            let local = HostRegion::new(
+                "bench-raw",
+                (shape.regions as u64 * num_blocks as u64 * block) as usize,
+            )?;
+            let md = engine
+                .peer_metadata("bench-target")
+                .context("target metadata")?;
             let raw = match backend {
                 BackendArg::Libfabric => {
-                    let local = HostRegion::new(
-                        "bench-raw",
-                        (shape.regions as u64 * num_blocks as u64 * block) as usize,
-                    )?;
-                    let md = engine
-                        .peer_metadata("bench-target")
-                        .context("target metadata")?;
                     let cfg = FabricConfig {
                         provider: provider.clone(),
                         bind_node: provider.starts_with("tcp").then(|| addr_a.clone()),
                         ..Default::default()
                     };
-                    let r = RawReader::new(&cfg, RegionDesc::from(&local), &md.backend)?;
-                    Some((r, local))
+                    Raw::Fabric(RawReader::new(&cfg, RegionDesc::from(&local), &md.backend)?)
                 }
-                BackendArg::Nixl => None,
+                BackendArg::Nixl => {
+                    let cfg = NixlConfig {
+                        plugin: provider.clone(),
+                        ..Default::default()
+                    };
+                    Raw::Nixl(RawNixlReader::new(
+                        &cfg,
+                        RegionDesc::from(&local),
+                        &md.backend,
+                    )?)
+                }
             };
             for &bpr in bprs {
                 for &out in &args.outstanding {
@@ -324,7 +337,7 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                     ));
                     let row = measure(
                         &engine,
-                        raw.as_ref().map(|r| &r.0),
+                        &raw,
                         (*backend, provider),
                         shape,
                         num_blocks,
@@ -339,6 +352,8 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                     bar.inc(1);
                 }
             }
+            drop(raw);
+            drop(local);
             drop(target);
         }
     }
@@ -351,7 +366,7 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
 
 async fn measure(
     engine: &TransferEngine,
-    raw: Option<&RawReader>,
+    raw: &Raw,
     (backend, provider): (BackendArg, &str),
     shape: &Shape,
     num_blocks: u32,
@@ -385,34 +400,36 @@ async fn measure(
         if best.as_ref().is_none_or(|(g, _, _)| gbps > *g) {
             best = Some((gbps, lats.clone(), cpu_us));
         }
-        if let Some(raw) = raw {
-            let limits = raw.limits();
-            let chunk = limits.max_msg_bytes.max(4096);
-            // The raw reader's one local buffer holds the regions back to back.
-            let mut one = Vec::new();
-            for r in 0..regions {
-                for p in &pairs {
-                    let mut off = 0;
-                    while off < block {
-                        let len = (block - off).min(chunk);
-                        let local = (r * num_blocks as u64 + p.local) * block + off;
-                        one.push((r as u32, p.remote * block + off, local, len));
-                        off += len;
-                    }
+        // libfabric splits blocks at the provider's largest message; NIXL
+        // takes whole blocks.
+        let chunk = match raw {
+            Raw::Fabric(r) => r.limits().max_msg_bytes.max(4096),
+            Raw::Nixl(_) => block,
+        };
+        let mut one = Vec::new();
+        for r in 0..regions {
+            for p in &pairs {
+                let mut off = 0;
+                while off < block {
+                    let len = (block - off).min(chunk);
+                    let local = (r * num_blocks as u64 + p.local) * block + off;
+                    one.push((r as u32, p.remote * block + off, local, len));
+                    off += len;
                 }
             }
-            let n = lats.len().max(4);
-            let reads = vec![one; n];
-            let cpu0 = process_cpu();
-            let t = Instant::now();
-            let r = tokio::task::block_in_place(|| {
-                raw.run(&reads, outstanding, Duration::from_secs(10))
-            })?;
-            let g = r.len() as f64 * bytes_per_read as f64 / t.elapsed().as_secs_f64() / 1e9;
-            let cpu_us = (process_cpu() - cpu0).as_secs_f64() * 1e6 / r.len().max(1) as f64;
-            if raw_best.is_none_or(|(b, _)| g > b) {
-                raw_best = Some((g, cpu_us));
-            }
+        }
+        let n = lats.len().max(4);
+        let reads = vec![one; n];
+        let cpu0 = process_cpu();
+        let t = Instant::now();
+        let r = tokio::task::block_in_place(|| match raw {
+            Raw::Fabric(raw) => raw.run(&reads, outstanding, Duration::from_secs(10)),
+            Raw::Nixl(raw) => raw.run(&reads, outstanding, Duration::from_secs(10)),
+        })?;
+        let g = r.len() as f64 * bytes_per_read as f64 / t.elapsed().as_secs_f64() / 1e9;
+        let cpu_us = (process_cpu() - cpu0).as_secs_f64() * 1e6 / r.len().max(1) as f64;
+        if raw_best.is_none_or(|(b, _)| g > b) {
+            raw_best = Some((g, cpu_us));
         }
     }
     let (gbps, mut lats, cpu_us_per_read) = best.unwrap();
@@ -444,6 +461,12 @@ async fn measure(
         cpu_us_per_read,
         raw_cpu_us_per_read,
     })
+}
+
+/// The baseline loop of a row's backend.
+enum Raw {
+    Fabric(RawReader),
+    Nixl(RawNixlReader),
 }
 
 /// CPU time of this process, every thread (`CLOCK_PROCESS_CPUTIME_ID`).

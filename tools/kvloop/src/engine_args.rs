@@ -80,7 +80,7 @@ impl EngineArgs {
             }),
             BackendArg::Nixl => BackendConfig::Nixl(NixlConfig {
                 plugin: self.nixl_plugin.clone(),
-                lib_dir: None,
+                ..Default::default()
             }),
         }
     }

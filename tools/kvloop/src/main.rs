@@ -68,7 +68,7 @@ enum DemoCmd {
 #[derive(Subcommand)]
 enum BenchCmd {
     /// READ throughput/latency vs raw libfabric and memcpy.
-    Read(bench::BenchReadArgs),
+    Read(Box<bench::BenchReadArgs>),
     /// Multi-turn chat load (vLLM multi_turn inputs or agentic conversations): TTFT table, JSON, PNG.
     Multiturn(Box<multiturn::BenchMultiturnArgs>),
 }
@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Doctor(a) => std::process::exit(doctor::run(a).await?),
             Cmd::Ping(a) => std::process::exit(ping::run(a).await?),
             Cmd::Top(a) => std::process::exit(top::run(a).await?),
-            Cmd::Bench(BenchCmd::Read(a)) => bench::run(a).await,
+            Cmd::Bench(BenchCmd::Read(a)) => bench::run(*a).await,
             Cmd::Bench(BenchCmd::Multiturn(a)) => multiturn::run(*a).await,
             Cmd::Demo(DemoCli { cmd, args }) => match cmd {
                 Some(DemoCmd::Dataplane(a)) => {

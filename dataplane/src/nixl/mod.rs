@@ -5,8 +5,13 @@
 //! (UCX on EFA falls back to software paths: public report ai-dynamo/nixl#909).
 //!
 //! All NIXL calls of one agent are serialised by a mutex (nixl-sys documents
-//! that concurrent use may deadlock); a progress thread polls the status of
-//! posted transfer requests.
+//! that concurrent use may deadlock). The task awaiting a READ polls the
+//! status of posted transfer requests itself for up to `caller_spin_us`
+//! (one caller at a time, as in the libfabric backend); a progress thread
+//! polls them when no caller does. `raw.rs` is the raw NIXL loop that
+//! `kvloop bench read` compares against.
+pub mod raw;
+
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -41,6 +46,15 @@ pub struct NixlConfig {
     /// `~/.cache/kvloop/nixl-cu12-1.5.1/.nixl_cu12.mesonpy.libs`.
     #[serde(default)]
     pub lib_dir: Option<PathBuf>,
+    /// Caller-driven progress: the task awaiting a READ polls the transfer
+    /// requests' status itself for up to this long before the progress
+    /// thread takes over, µs; 0 leaves it all to the thread. Default 1000.
+    #[serde(default = "default_caller_spin_us")]
+    pub caller_spin_us: u64,
+}
+
+fn default_caller_spin_us() -> u64 {
+    1000
 }
 
 fn default_plugin() -> String {
@@ -52,6 +66,7 @@ impl Default for NixlConfig {
         Self {
             plugin: default_plugin(),
             lib_dir: None,
+            caller_spin_us: default_caller_spin_us(),
         }
     }
 }
@@ -176,6 +191,8 @@ struct Shared {
     pending: Mutex<Vec<PendingXfer>>,
     peers: Mutex<Vec<Option<NixlPeer>>>,
     stop: AtomicBool,
+    /// A caller holds the driver role: the progress thread stays off.
+    driving: AtomicBool,
 }
 
 /// The NIXL transfer backend.
@@ -184,6 +201,7 @@ pub struct NixlBackend {
     plugin: String,
     agent_name: String,
     local: Vec<RegionDesc>,
+    caller_spin: Duration,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -243,6 +261,7 @@ impl NixlBackend {
             pending: Mutex::new(Vec::new()),
             peers: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            driving: AtomicBool::new(false),
         });
         let s2 = shared.clone();
         let plugin = p.clone();
@@ -256,33 +275,44 @@ impl NixlBackend {
             plugin: cfg.plugin,
             agent_name,
             local: regions.to_vec(),
+            caller_spin: Duration::from_micros(cfg.caller_spin_us),
             thread: Some(thread),
         })
     }
 }
 
+/// Polls every posted request's status once, resolving those that ended.
+/// Returns whether any is still in progress.
+fn poll_pending(s: &Shared, plugin: &str) -> bool {
+    let mut pending = std::mem::take(&mut *s.pending.lock());
+    if pending.is_empty() {
+        return false;
+    }
+    let mut still = Vec::with_capacity(pending.len());
+    {
+        let a = s.agent.lock();
+        for p in pending.drain(..) {
+            match a.agent.get_xfer_status(&p.req) {
+                Ok(XferStatus::InProgress) => still.push(p),
+                Ok(XferStatus::Success) => p.done.complete(Ok(())),
+                Err(e) => p.done.complete(Err(nixl_err(plugin, "getXferStatus", e))),
+            }
+        }
+    }
+    if still.is_empty() {
+        return false;
+    }
+    s.pending.lock().extend(still);
+    true
+}
+
 fn progress_loop(s: &Shared, plugin: &str) {
     while !s.stop.load(Ordering::Acquire) {
-        let mut pending = std::mem::take(&mut *s.pending.lock());
-        if pending.is_empty() {
+        if s.driving.load(Ordering::Acquire) || !poll_pending(s, plugin) {
             std::thread::sleep(Duration::from_micros(20));
             continue;
         }
-        let mut still = Vec::with_capacity(pending.len());
-        {
-            let a = s.agent.lock();
-            for p in pending.drain(..) {
-                match a.agent.get_xfer_status(&p.req) {
-                    Ok(XferStatus::InProgress) => still.push(p),
-                    Ok(XferStatus::Success) => p.done.complete(Ok(())),
-                    Err(e) => p.done.complete(Err(nixl_err(plugin, "getXferStatus", e))),
-                }
-            }
-        }
-        if !still.is_empty() {
-            s.pending.lock().extend(still);
-            std::hint::spin_loop();
-        }
+        std::hint::spin_loop();
     }
 }
 
@@ -393,6 +423,23 @@ impl TransferBackend for NixlBackend {
             std::thread::sleep(Duration::from_millis(1));
         }
         true
+    }
+
+    fn caller_spin(&self) -> Duration {
+        self.caller_spin
+    }
+
+    fn drive_begin(&self) -> bool {
+        !self.shared.driving.swap(true, Ordering::AcqRel)
+    }
+
+    fn drive(&self) {
+        poll_pending(&self.shared, &self.plugin);
+    }
+
+    fn drive_end(&self) {
+        // The progress thread polls again within its 20 µs nap.
+        self.shared.driving.store(false, Ordering::Release);
     }
 
     fn post_read(&self, slot: PeerSlot, segments: &[Segment], done: Completion) {
