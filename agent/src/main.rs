@@ -216,6 +216,7 @@ async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
 }
 
 async fn load_probes(cfg: &AgentConfig) -> anyhow::Result<kvloop_probes::Probes> {
+    kvloop_common::usdt::set_site_sampling(cfg.read_site_sample_every, cfg.read_site_full_bytes);
     let pc = kvloop_probes::ProbeConfig {
         transfer: true,
         prefill: !cfg.prefill_ports.is_empty(),

@@ -192,6 +192,8 @@ impl Agent {
             },
             status: 0,
             peer: kvloop_common::ReadProbeArgs::peer_from_str(peer_engine_id),
+            weight: 1,
+            _pad: [0; 4],
         };
         self.probes
             .observe_read_userspace(&args, Duration::from_micros(o.elapsed_us.max(1)));

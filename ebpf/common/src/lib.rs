@@ -111,8 +111,10 @@ pub enum BackendKind {
 /// `kvloop_probe_read_post` and `kvloop_probe_read_done` (first argument, a
 /// pointer to this struct, in `rdi` on x86-64).
 ///
-/// One READ is one call to `post` and one call to `done` with the same
-/// `xfer_id` in the same process. Layout (24 bytes + `PEER_LEN`):
+/// One probed READ is one call to `post` and one call to `done` with the
+/// same `xfer_id` in the same process; a READ that stands for `weight` READs
+/// (small READs are sampled, [`crate::usdt::site_weight`]) counts `weight`
+/// times in the histograms. Layout (24 bytes + `PEER_LEN` + 8):
 ///
 /// | offset | field |
 /// |---|---|
@@ -123,6 +125,8 @@ pub enum BackendKind {
 /// | 21 | `backend` u8 ([`BackendKind`]) |
 /// | 22 | `status` i16 (0 = success, else a negative errno-style code; 0 at post) |
 /// | 24 | `peer` [u8; 32] remote engine id |
+/// | 56 | `weight` u32 (READs this one stands for; 0 is read as 1) |
+/// | 60 | reserved, 4 bytes of 0 |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReadProbeArgs {
@@ -140,6 +144,11 @@ pub struct ReadProbeArgs {
     pub status: i16,
     /// Remote engine id, NUL-padded, truncated to [`PEER_LEN`] bytes.
     pub peer: [u8; PEER_LEN],
+    /// READs this one stands for in the histograms: 1, or N when it is the
+    /// one probed READ of N small ones (0 is read as 1).
+    pub weight: u32,
+    /// Reserved, 0.
+    pub _pad: [u8; 4],
 }
 
 impl ReadProbeArgs {
@@ -180,9 +189,10 @@ mod tests {
 
     #[test]
     fn layout_is_stable() {
-        assert_eq!(core::mem::size_of::<ReadProbeArgs>(), 24 + PEER_LEN);
+        assert_eq!(core::mem::size_of::<ReadProbeArgs>(), 24 + PEER_LEN + 8);
         assert_eq!(core::mem::offset_of!(ReadProbeArgs, status), 22);
         assert_eq!(core::mem::offset_of!(ReadProbeArgs, peer), 24);
+        assert_eq!(core::mem::offset_of!(ReadProbeArgs, weight), 56);
     }
 
     #[test]

@@ -65,7 +65,7 @@ pub fn tgid() -> u32 {
 /// Adds one sample of `ns` (and `bytes`) to the histogram of `key` in `map`,
 /// creating it if needed (counted in `HIST_FULL` when the map is full).
 #[inline(always)]
-pub fn hist_add<K>(map: &PerCpuHashMap<K, LatencyHist>, key: &K, ns: u64, bytes: u64) {
+pub fn hist_add<K>(map: &PerCpuHashMap<K, LatencyHist>, key: &K, ns: u64, bytes: u64, weight: u64) {
     let mut p = map.get_ptr_mut(key);
     if p.is_none() {
         // by reference: a 344-byte copy would crowd the 512-byte BPF stack
@@ -85,11 +85,11 @@ pub fn hist_add<K>(map: &PerCpuHashMap<K, LatencyHist>, key: &K, ns: u64, bytes:
         // slot index is bounds-checked.
         unsafe {
             if slot < LAT_SLOTS {
-                (*h).slots[slot] += 1;
+                (*h).slots[slot] += weight;
             }
-            (*h).count += 1;
-            (*h).sum_ns += ns;
-            (*h).sum_bytes += bytes;
+            (*h).count += weight;
+            (*h).sum_ns += ns * weight;
+            (*h).sum_bytes += bytes * weight;
         }
     }
 }

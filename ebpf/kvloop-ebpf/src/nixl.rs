@@ -95,7 +95,7 @@ fn xfer_end(key: &PendingKey, status: i32) {
     // RCU-deferred); PendingXfer is plain old data, copied before removal.
     let pend = unsafe { *p };
     let _ = PENDING.remove(key);
-    xfer_finish(key, &pend, status, now);
+    xfer_finish(key, &pend, status, now, 1);
 }
 
 /// uprobe at `nixlAgent::createXferReq(this, const nixl_xfer_op_t &op,

@@ -153,7 +153,7 @@ fn try_prefill_send(ctx: &TracePointContext) -> Option<()> {
     // RCU-deferred); plain integer fields.
     let (start, port) = unsafe { ((*p).start_ns, (*p).port) };
     let ns = now.saturating_sub(start);
-    hist_add(&PREFILL_HIST, &PrefillHistKey { port, _pad: [0; 6] }, ns, 0);
+    hist_add(&PREFILL_HIST, &PrefillHistKey { port, _pad: [0; 6] }, ns, 0, 1);
     bump(counter::PREFILL_SAMPLES);
     match EVENTS.reserve::<PrefillEvent>(0) {
         Some(mut e) => {

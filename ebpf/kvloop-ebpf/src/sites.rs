@@ -117,7 +117,7 @@ pub fn kvloop_read_done(ctx: ProbeContext) -> u32 {
         _pad: [0; 1],
         peer: a.peer,
     };
-    xfer_finish(&key, &pend, a.status as i32, now);
+    xfer_finish(&key, &pend, a.status as i32, now, a.weight);
     0
 }
 

@@ -12,9 +12,10 @@ use crate::maps::{COUNTERS, EVENTS, bump, config, hist_add, submit_flags};
 static XFER_HIST: PerCpuHashMap<XferHistKey, LatencyHist> =
     PerCpuHashMap::with_max_entries(4096, 0);
 
-/// Records a completed READ: histogram (always), event (sampled).
+/// Records a completed READ: histogram (always, counted `weight` times: the
+/// READs a sampled site call stands for), event (sampled).
 #[inline(always)]
-pub fn xfer_finish(key: &PendingKey, pend: &PendingXfer, status: i32, now: u64) {
+pub fn xfer_finish(key: &PendingKey, pend: &PendingXfer, status: i32, now: u64, weight: u32) {
     let Some(cfg) = config() else { return };
     let ns = now.saturating_sub(pend.start_ns);
     let hkey = XferHistKey {
@@ -29,7 +30,7 @@ pub fn xfer_finish(key: &PendingKey, pend: &PendingXfer, status: i32, now: u64) 
         ok: (status == 0) as u8,
         _pad: [0; 4],
     };
-    hist_add(&XFER_HIST, &hkey, ns, pend.bytes);
+    hist_add(&XFER_HIST, &hkey, ns, pend.bytes, weight.max(1) as u64);
     bump(counter::XFER_SAMPLES);
 
     let every = cfg.xfer_sample_every;

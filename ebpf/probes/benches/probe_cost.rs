@@ -9,6 +9,9 @@
 //!    alternating rounds, with this process's CPU time per READ and the CPU
 //!    the probes add per READ. Target: ≤ 1 % loss at ≥ 64 KiB.
 //!
+//! `KVLOOP_BENCH_SITE_SAMPLE_EVERY` sets the READ-site sampling of small
+//! READs (default 16, as the agent; 1 probes every READ).
+//!
 //! Needs root for the attached rows (prints why and only the detached rows
 //! otherwise). `KVLOOP_BENCH_SECS` sets the seconds per throughput round
 //! (default 1.0). NIXL needs the runtime (`scripts/bootstrap.sh nixl`).
@@ -26,6 +29,8 @@ fn site_cost(pairs: u64) -> f64 {
         backend: BackendKind::Libfabric as u8,
         status: 0,
         peer: ReadProbeArgs::peer_from_str("bench"),
+        weight: 1,
+        _pad: [0; 4],
     };
     let t = Instant::now();
     for i in 0..pairs {
@@ -153,7 +158,16 @@ fn main() {
         println!("\n(target: ≤ 1000 ns added per probed call)");
     }
 
+    let every: u32 = std::env::var("KVLOOP_BENCH_SITE_SAMPLE_EVERY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(usdt::DEFAULT_SITE_SAMPLE_EVERY);
+    usdt::set_site_sampling(every, usdt::DEFAULT_SITE_FULL_BYTES);
     println!("\n## READ throughput through the dataplane, probes detached vs attached\n");
+    println!(
+        "Site sampling: READs under {} KiB probed 1 in {every} (KVLOOP_BENCH_SITE_SAMPLE_EVERY; 1 = every READ).",
+        usdt::DEFAULT_SITE_FULL_BYTES >> 10
+    );
     println!(
         "CPU µs/READ: this process's CPU time (every thread, user + kernel, both engines) per READ."
     );

@@ -549,6 +549,8 @@ fn fallback_labels_every_sample_userspace() {
         backend: kvloop_common::BackendKind::Libfabric as u8,
         status: 0,
         peer: kvloop_common::ReadProbeArgs::peer_from_str("decode-9"),
+        weight: 1,
+        _pad: [0; 4],
     };
     let mut trace = p.trace(TraceFilter::default());
     p.observe_read_userspace(&args, Duration::from_micros(30));

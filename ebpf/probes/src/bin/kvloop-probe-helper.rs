@@ -60,6 +60,8 @@ fn usdt_reads(count: u64, work_us: u64, bytes: u64, peer: &str) -> Result<()> {
             backend: BackendKind::Libfabric as u8,
             status: 0,
             peer: ReadProbeArgs::peer_from_str(peer),
+            weight: 1,
+            _pad: [0; 4],
         };
         let t = Instant::now();
         usdt::read_post(&a);
