@@ -30,16 +30,18 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::ReadProbeArgs;
 
-/// Default of [`set_site_sampling`]'s `every`: one small READ in 16 is probed.
+/// The agent's default of [`set_site_sampling`]'s `every` (its
+/// `read_site_sample_every`): one small READ in 16 is probed. A process that
+/// never calls [`set_site_sampling`] probes every READ.
 pub const DEFAULT_SITE_SAMPLE_EVERY: u32 = 16;
-/// Default of [`set_site_sampling`]'s `full_bytes`: READs of 1 MiB or more
+/// The agent's default of [`set_site_sampling`]'s `full_bytes`: READs of 1 MiB or more
 /// are always probed. A probed READ costs about 1.5 µs of CPU (two uprobe
 /// hits, `cargo bench -p kvloop-probes --bench probe_cost`): under 1 % of a
 /// 1 MiB READ's CPU on every backend measured here, but 10–35 % of a 64 KiB
 /// READ's on `shm`, hence the sampling below it.
 pub const DEFAULT_SITE_FULL_BYTES: u64 = 1 << 20;
 
-static SAMPLE_EVERY: AtomicU32 = AtomicU32::new(DEFAULT_SITE_SAMPLE_EVERY);
+static SAMPLE_EVERY: AtomicU32 = AtomicU32::new(1);
 static FULL_BYTES: AtomicU64 = AtomicU64::new(DEFAULT_SITE_FULL_BYTES);
 static SMALL_READS: AtomicU64 = AtomicU64::new(0);
 

@@ -10,7 +10,8 @@
 //!    the probes add per READ. Target: ≤ 1 % loss at ≥ 64 KiB.
 //!
 //! `KVLOOP_BENCH_SITE_SAMPLE_EVERY` sets the READ-site sampling of small
-//! READs (default 16, as the agent; 1 probes every READ).
+//! READs (default 16, the agent's default; 1 probes every READ, as a process
+//! that never sets it).
 //!
 //! Needs root for the attached rows (prints why and only the detached rows
 //! otherwise). `KVLOOP_BENCH_SECS` sets the seconds per throughput round
