@@ -10,6 +10,8 @@ use kvloop_common::Direction;
 use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::*;
 
+mod support;
+
 /// Regions × blocks × bytes: `shm` posts one IOV per operation and holds
 /// 1,024 operations; `tcp;ofi_rxm` posts 4 IOVs and holds 2,048 (libfabric
 /// 1.17 here, `fi_info -v`). 32 regions × 300 strided blocks = 9,600
@@ -28,37 +30,10 @@ fn layout() -> KvLayout {
     }
 }
 
-fn byte(tag: u8, region: usize, block: u64, i: usize) -> u8 {
-    (i as u64 * 31 + block * 7 + region as u64 * 13 + tag as u64) as u8
-}
-
 async fn engine(id: &str, fabric: FabricConfig, tag: u8) -> TransferEngine {
-    let l = layout();
-    let regions = (0..l.num_regions)
-        .map(|r| HostRegion::new(&format!("{id}-{r}"), l.region_len_bytes() as usize).unwrap())
-        .collect();
-    let e = TransferEngine::start(
-        EngineConfig {
-            engine_id: id.into(),
-            side_channel_addr: "127.0.0.1:0".parse().unwrap(),
-            backend: BackendConfig::Libfabric(fabric),
-            layout: l,
-            read_timeout_ms: 20_000,
-            handshake_timeout_ms: 5000,
-        },
-        regions,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("engine {id} failed to start: {e}"));
-    for r in 0..l.num_regions as usize {
-        for b in 0..l.num_blocks as u64 {
-            let data: Vec<u8> = (0..BLOCK_BYTES as usize)
-                .map(|i| byte(tag, r, b, i))
-                .collect();
-            e.region(r).write_at((b * BLOCK_BYTES) as usize, &data);
-        }
-    }
-    e
+    let addr = "127.0.0.1:0".parse().unwrap();
+    let backend = BackendConfig::Libfabric(fabric);
+    support::filled_engine(id, addr, backend, layout(), 20_000, tag).await
 }
 
 /// Block pairs of READ `k` of `n`: remote 2i, local 2i+1 interleaved by `k`
@@ -82,15 +57,12 @@ fn check(e: &TransferEngine, pairs: &[BlockPair]) {
         for r in 0..REGIONS as usize {
             e.region(r)
                 .read_at((p.local * BLOCK_BYTES) as usize, &mut got);
-            for (i, &g) in got.iter().enumerate() {
-                assert_eq!(
-                    g,
-                    byte(2, r, p.remote, i),
-                    "region {r} local block {} (from remote {}) byte {i}",
-                    p.local,
-                    p.remote
-                );
-            }
+            assert!(
+                got == support::pattern(2, r, p.remote, got.len()),
+                "region {r} local block {} (from remote {})",
+                p.local,
+                p.remote
+            );
         }
     }
 }

@@ -12,14 +12,11 @@ use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::*;
 use kvloop_tests::{NodePair, require_root};
 
+mod support;
+use support::pattern;
+
 const BLOCKS: u32 = 16;
 const BLOCK_LEN: u64 = 256 * 1024;
-
-fn pattern(tag: u8, region: usize, block: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u64 * 31 + block * 7 + region as u64 * 13 + tag as u64) as u8)
-        .collect()
-}
 
 /// A tcp;ofi_rxm engine on `ip`, every block filled with `pattern(tag, ..)`.
 async fn engine(id: &str, ip: std::net::Ipv4Addr, tag: u8) -> TransferEngine {
@@ -29,34 +26,11 @@ async fn engine(id: &str, ip: std::net::Ipv4Addr, tag: u8) -> TransferEngine {
         block_len_bytes: BLOCK_LEN,
         block_size_tokens: 16,
     };
-    let regions = (0..l.num_regions)
-        .map(|r| HostRegion::new(&format!("{id}-{r}"), l.region_len_bytes() as usize).unwrap())
-        .collect();
-    let e = TransferEngine::start(
-        EngineConfig {
-            engine_id: id.into(),
-            side_channel_addr: SocketAddr::new(ip.into(), 0),
-            backend: BackendConfig::Libfabric(FabricConfig {
-                provider: "tcp;ofi_rxm".into(),
-                ..Default::default()
-            }),
-            layout: l,
-            read_timeout_ms: 5000,
-            handshake_timeout_ms: 5000,
-        },
-        regions,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("engine {id} failed to start: {e}"));
-    for r in 0..2 {
-        for b in 0..BLOCKS as u64 {
-            e.region(r).write_at(
-                (b * BLOCK_LEN) as usize,
-                &pattern(tag, r, b, BLOCK_LEN as usize),
-            );
-        }
-    }
-    e
+    let backend = BackendConfig::Libfabric(FabricConfig {
+        provider: "tcp;ofi_rxm".into(),
+        ..Default::default()
+    });
+    support::filled_engine(id, SocketAddr::new(ip.into(), 0), backend, l, 5000, tag).await
 }
 
 /// Whether local block `local` of `e` holds remote block `remote` of tag `tag`.

@@ -9,6 +9,8 @@ use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::nixl::NixlConfig;
 use kvloop_dataplane::*;
 
+mod support;
+
 fn layout(num_blocks: u32, block_len: u64) -> KvLayout {
     KvLayout {
         num_regions: 2,
@@ -18,38 +20,10 @@ fn layout(num_blocks: u32, block_len: u64) -> KvLayout {
     }
 }
 
-/// Deterministic content of (engine tag, region, block).
-fn pattern(tag: u8, region: usize, block: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u64 * 31 + block * 7 + region as u64 * 13 + tag as u64) as u8)
-        .collect()
-}
+use support::pattern;
 
 async fn engine(id: &str, backend: BackendConfig, l: KvLayout, tag: u8) -> TransferEngine {
-    let regions = (0..l.num_regions)
-        .map(|r| HostRegion::new(&format!("{id}-{r}"), l.region_len_bytes() as usize).unwrap())
-        .collect();
-    let e = TransferEngine::start(
-        EngineConfig {
-            engine_id: id.into(),
-            side_channel_addr: "127.0.0.1:0".parse().unwrap(),
-            backend,
-            layout: l,
-            read_timeout_ms: 5000,
-            handshake_timeout_ms: 5000,
-        },
-        regions,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("engine {id} failed to start: {e}"));
-    for r in 0..l.num_regions as usize {
-        for b in 0..l.num_blocks as u64 {
-            let off = (b * l.block_len_bytes) as usize;
-            e.region(r)
-                .write_at(off, &pattern(tag, r, b, l.block_len_bytes as usize));
-        }
-    }
-    e
+    support::filled_engine(id, "127.0.0.1:0".parse().unwrap(), backend, l, 5000, tag).await
 }
 
 fn check_block(e: &TransferEngine, local: u64, src_tag: u8, remote: u64) {
