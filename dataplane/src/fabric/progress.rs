@@ -106,7 +106,12 @@ pub(crate) fn progress_loop(s: &Shared) {
     let mut sleep = min_sleep;
     let mut last_activity = Instant::now();
     while !s.stop.load(Ordering::Acquire) {
-        if !s.cfg.busy_poll && s.callers_drive() {
+        // Stay off the CQ while a caller drives it, and shortly after (the
+        // next READ's caller usually takes it again), unless a remote reader
+        // hinted: then only while a caller holds it (its polls serve too).
+        let serving = s.now_ns() < s.serve_until_ns.load(Ordering::Acquire);
+        let defer = s.driving.load(Ordering::Acquire) || (!serving && s.callers_drive());
+        if !s.cfg.busy_poll && defer {
             last_activity = Instant::now();
             sleep = min_sleep;
             idle_wait(s.waker, min_sleep);
