@@ -536,41 +536,6 @@ fn prefill_latency_and_token_attribution() {
     assert_eq!(h.count, 3);
 }
 
-#[test]
-fn fallback_labels_every_sample_userspace() {
-    let p = Probes::userspace("test: no eBPF");
-    assert_eq!(p.source(), Source::Userspace);
-    assert!(p.attach_transfer_sites(HELPER, None).is_err());
-    let args = kvloop_common::ReadProbeArgs {
-        xfer_id: 1,
-        bytes: 4096,
-        descriptors: 1,
-        direction: Direction::DecodeToPrefill as u8,
-        backend: kvloop_common::BackendKind::Libfabric as u8,
-        status: 0,
-        peer: kvloop_common::ReadProbeArgs::peer_from_str("decode-9"),
-        weight: 1,
-        _pad: [0; 4],
-    };
-    let mut trace = p.trace(TraceFilter::default());
-    p.observe_read_userspace(&args, Duration::from_micros(30));
-    let ev = trace.try_next().expect("event");
-    assert!(ev.line().contains("src=userspace"), "{}", ev.line());
-    let snap = p.snapshot();
-    assert_eq!(snap.xfers.len(), 1);
-    assert_eq!(snap.xfers[0].source, Source::Userspace);
-    assert_eq!(snap.xfers[0].latency_ns, 30_000);
-    let mut reg = prometheus_client::registry::Registry::default();
-    p.register_metrics(&mut reg);
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
-    assert!(text.contains("source=\"userspace\""), "{text}");
-    assert!(
-        text.contains("kvloop_probe_source_info{source=\"userspace\"} 1"),
-        "{text}"
-    );
-}
-
 /// A process that READs through kvloop's dataplane with its NIXL backend,
 /// probed at the NIXL library (as an engine using NIXL directly would be) and
 /// at the dataplane's USDT sites: every READ is seen once by each.
