@@ -57,6 +57,8 @@ struct Inner {
     next_generation: AtomicU64,
     /// Origin of the peers' hint windows.
     epoch: std::time::Instant,
+    /// READs of this engine awaiting their result.
+    reads_waiting: std::sync::atomic::AtomicUsize,
 }
 
 /// An engine's transfer endpoint. Cheap to clone.
@@ -114,6 +116,7 @@ impl TransferEngine {
             next_xfer: AtomicU64::new(1),
             next_generation: AtomicU64::new(1),
             epoch: std::time::Instant::now(),
+            reads_waiting: std::sync::atomic::AtomicUsize::new(0),
         });
         let weak = Arc::downgrade(&inner);
         let accept = tokio::spawn(async move {

@@ -163,11 +163,16 @@ impl TransferEngine {
             .as_mut()
             .expect("receiver taken only by the guard");
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
-        let r = driven_wait(&**inner.backend, rx, deadline).await?;
+        let r = driven_wait(&**inner.backend, rx, deadline, &inner.reads_waiting).await?;
         pending.rx = None;
         Some(r.unwrap_or(Err(DataplaneError::Shutdown)))
     }
 }
+
+/// How long a driving caller whose READ is the engine's only one polls
+/// between yields to the runtime. With other READs waiting it yields after
+/// every poll, so that their tasks run as soon as their results arrive.
+const POLL_BEFORE_YIELD: Duration = Duration::from_micros(20);
 
 /// Waits until `deadline` for a READ's result (`None` when it passed),
 /// first driving the backend's completions on this task (yielding to other
@@ -182,8 +187,18 @@ async fn driven_wait(
     backend: &dyn crate::backend::TransferBackend,
     rx: &mut tokio::sync::oneshot::Receiver<Result<()>>,
     deadline: tokio::time::Instant,
+    reads_waiting: &std::sync::atomic::AtomicUsize,
 ) -> Option<std::result::Result<Result<()>, tokio::sync::oneshot::error::RecvError>> {
     use tokio::sync::oneshot::error::TryRecvError;
+    /// Counts this READ as waiting while the future lives.
+    struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+    impl Drop for Waiting<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    reads_waiting.fetch_add(1, Ordering::Relaxed);
+    let _waiting = Waiting(reads_waiting);
     /// Gives the driver role up however the spin ends.
     struct DriveEnd<'a>(&'a dyn crate::backend::TransferBackend);
     impl Drop for DriveEnd<'_> {
@@ -195,15 +210,33 @@ async fn driven_wait(
     if !spin.is_zero() && backend.drive_begin() {
         let _end = DriveEnd(backend);
         let until = Instant::now() + spin;
-        loop {
-            backend.drive();
-            match rx.try_recv() {
-                Ok(r) => return Some(Ok(r)),
-                Err(TryRecvError::Closed) => break,
-                Err(TryRecvError::Empty) => {}
-            }
-            if Instant::now() >= until || tokio::time::Instant::now() >= deadline {
-                break;
+        'spin: loop {
+            // Alone, poll for up to POLL_BEFORE_YIELD before yielding: a
+            // yield makes the multi-threaded runtime wake a parked worker (a
+            // futex call and a thread that finds nothing to do), which costs
+            // more than a short READ (measured: tcp 4 KiB READs 25 → 17 µs
+            // of CPU each).
+            let alone = reads_waiting.load(Ordering::Relaxed) <= 1;
+            let slice = Instant::now()
+                + if alone {
+                    POLL_BEFORE_YIELD
+                } else {
+                    Duration::ZERO
+                };
+            loop {
+                backend.drive();
+                match rx.try_recv() {
+                    Ok(r) => return Some(Ok(r)),
+                    Err(TryRecvError::Closed) => break 'spin,
+                    Err(TryRecvError::Empty) => {}
+                }
+                let now = Instant::now();
+                if now >= until || tokio::time::Instant::now() >= deadline {
+                    break 'spin;
+                }
+                if now >= slice {
+                    break;
+                }
             }
             tokio::task::yield_now().await;
         }
