@@ -41,6 +41,9 @@ struct Cli {
     /// P/D selection policy (overrides `policy`).
     #[arg(long, value_enum)]
     policy: Option<Policy>,
+    /// Worker threads of the runtime (overrides `worker_threads`).
+    #[arg(long)]
+    worker_threads: Option<usize>,
     /// Answer with `x-kvloop-route` (sets `route_header`).
     #[arg(long)]
     route_header: bool,
@@ -49,8 +52,7 @@ struct Cli {
     print_config: bool,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -87,12 +89,25 @@ async fn main() -> anyhow::Result<()> {
     if let Some(v) = cli.policy {
         cfg.policy = v;
     }
+    if let Some(v) = cli.worker_threads {
+        cfg.worker_threads = v;
+    }
     cfg.route_header |= cli.route_header;
     if cli.print_config {
         print!("{}", toml::to_string(&cfg)?);
         return Ok(());
     }
     cfg.validate()?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.worker_threads)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(serve(cfg))
+}
+
+/// Start the router and serve until SIGINT or SIGTERM.
+async fn serve(cfg: RouterConfig) -> anyhow::Result<()> {
     let r = start(cfg.clone(), Box::new(MonotonicClock::default())).await?;
     info!(addr = %r.addr, engines = cfg.engines.len(), prefix_check = cfg.prefix_check.as_str(), "kvloop-router listening");
     println!("READY http={}", r.addr);

@@ -37,8 +37,7 @@ pub(crate) async fn prefill(
         let p = s.registry.get(p_idx).expect("index");
         s.upstream.prefill(
             &p.engine_id,
-            &p.http_url,
-            req.api,
+            crate::upstream::api_url(p, req.api),
             request_id,
             prefill_body(&req.body, &params),
             n_prompt.map(|n| (n, reused)),

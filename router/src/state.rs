@@ -318,7 +318,7 @@ impl AppState {
         let e = self.registry.get(i)?;
         let tokens = match self
             .upstream
-            .tokenize(&e.engine_id, &e.http_url, body, timeout)
+            .tokenize(&e.engine_id, &e.urls.tokenize, body, timeout)
             .await
         {
             Ok(t) => Some(t),

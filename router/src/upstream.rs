@@ -11,7 +11,24 @@ use kvloop_router_api::json::RawObject;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use crate::registry::Engine;
 use crate::request::Api;
+
+/// `e`'s endpoint for `api`.
+pub fn api_url(e: &Engine, api: Api) -> &url::Url {
+    match api {
+        Api::Chat => &e.urls.chat,
+        Api::Completions => &e.urls.completions,
+    }
+}
+
+/// `/tokenize`'s answer as far as the router reads it (typed: an answer
+/// of thousands of ids parsed into a `Value` first cost several % of the
+/// router's CPU).
+#[derive(serde::Deserialize)]
+struct TokenizeReply {
+    tokens: Vec<u32>,
+}
 
 /// Which engine call failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,38 +190,39 @@ impl Upstream {
     pub async fn tokenize(
         &self,
         engine: &str,
-        url: &str,
+        url: &url::Url,
         body: &Value,
         timeout: Duration,
     ) -> Result<Vec<u32>, UpstreamError> {
         let st = Stage::Tokenize;
         let r = self
             .http
-            .post(format!("{url}/tokenize"))
+            .post(url.clone())
             .timeout(timeout)
             .json(body)
             .send()
             .await
             .map_err(|e| UpstreamError::transport(st, engine, &e))?;
         let r = success(st, engine, r).await?;
-        let v: Value = r
-            .json()
+        let bytes = r
+            .bytes()
             .await
-            .map_err(|e| UpstreamError::new(st, engine, Failure::Body, e.to_string()))?;
-        v.get("tokens")
-            .and_then(Value::as_array)
-            .and_then(|a| {
-                a.iter()
-                    .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
-                    .collect::<Option<Vec<u32>>>()
-            })
-            .ok_or_else(|| {
-                UpstreamError::new(st, engine, Failure::Body, "tokens: expected token ids")
+            .map_err(|e| UpstreamError::transport(st, engine, &e))?;
+        serde_json::from_slice::<TokenizeReply>(&bytes)
+            .map(|t| t.tokens)
+            .map_err(|e| {
+                UpstreamError::new(
+                    st,
+                    engine,
+                    Failure::Body,
+                    format!("tokens: expected token ids ({e})"),
+                )
             })
     }
 
-    /// The prefill request (`body` from [`crate::request::prefill_body`]).
-    /// `tokens` = `(prompt tokens, reused tokens)` for the tokens header.
+    /// The prefill request (`body` from [`crate::request::prefill_body`]) to
+    /// `url` ([`api_url`]). `tokens` = `(prompt tokens, reused tokens)` for
+    /// the tokens header.
     ///
     /// # Errors
     /// [`UpstreamError`] at [`Stage::Prefill`].
@@ -212,8 +230,7 @@ impl Upstream {
     pub async fn prefill(
         &self,
         engine: &str,
-        url: &str,
-        api: Api,
+        url: &url::Url,
         request_id: &str,
         body: Vec<u8>,
         tokens: Option<(usize, u64)>,
@@ -222,7 +239,7 @@ impl Upstream {
         let st = Stage::Prefill;
         let mut req = self
             .http
-            .post(format!("{url}{}", api.path()))
+            .post(url.clone())
             .timeout(timeout)
             .header("x-request-id", request_id)
             .header(header::CONTENT_TYPE, "application/json")
@@ -250,16 +267,16 @@ impl Upstream {
         })
     }
 
-    /// The decode request (`body` from [`crate::request::decode_body`]):
-    /// D's response once its headers arrived with a success status.
+    /// The decode request (`body` from [`crate::request::decode_body`]) to
+    /// `url` ([`api_url`]): D's response once its headers arrived with a
+    /// success status.
     ///
     /// # Errors
     /// [`UpstreamError`] at [`Stage::Decode`].
     pub async fn decode(
         &self,
         engine: &str,
-        url: &str,
-        api: Api,
+        url: &url::Url,
         request_id: &str,
         body: Vec<u8>,
         timeout: Duration,
@@ -267,7 +284,7 @@ impl Upstream {
         let st = Stage::Decode;
         let req = self
             .http
-            .post(format!("{url}{}", api.path()))
+            .post(url.clone())
             .header("x-request-id", request_id)
             .header(header::CONTENT_TYPE, "application/json")
             .body(body);
