@@ -13,6 +13,12 @@
 //! `kvloop_tests::RedisServer`: loopback, temporary directory, no
 //! persistence, stopped by PID).
 //!
+//! Placement: on a machine of 2 or more CPUs the router (and Redis) run on
+//! the last CPU and the engines and the client on the others, as a router
+//! with a core of its own in a deployment; without it, the router's added
+//! latency is mostly waiting for a CPU the engines hold
+//! (`KVLOOP_BENCH_PIN=0` shares every CPU).
+//!
 //! `cargo bench -p kvloop-router --bench chat_bench` (`KVLOOP_BENCH_QUICK=1`:
 //! 4 s per row instead of 15; `KVLOOP_BENCH_RATE`: requests/s, default 400).
 use std::collections::VecDeque;
@@ -246,7 +252,34 @@ fn cpu_s(pid: u32) -> f64 {
     ticks as f64 / hz
 }
 
+/// The CPU the router and Redis get, when pinning (2 or more CPUs and
+/// `KVLOOP_BENCH_PIN` not `0`): the last one; this thread (and the threads
+/// it starts: engines, client) gets the others.
+fn pin() -> Option<usize> {
+    if std::env::var("KVLOOP_BENCH_PIN").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if n < 2 {
+        return None;
+    }
+    let router_cpu = n - 1;
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes
+    // inside it for indices below CPU_SETSIZE (n is the process's CPUs).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in 0..router_cpu {
+            libc::CPU_SET(c, &mut set);
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return None;
+        }
+    }
+    Some(router_cpu)
+}
+
 fn main() {
+    let router_cpu = pin();
     let rate: f64 = std::env::var("KVLOOP_BENCH_RATE")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -281,7 +314,15 @@ fn main() {
                 .unwrap(),
         )
     });
-    let redis = kvloop_tests::RedisServer::start().ok();
+    let redis = match router_cpu {
+        Some(cpu) => kvloop_tests::RedisServer::start_with(None, move |bin: &std::path::Path| {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(cpu.to_string()).arg(bin);
+            c
+        }),
+        None => kvloop_tests::RedisServer::start(),
+    }
+    .ok();
     if redis.is_none() {
         println!("(redis-server not found or not starting: the Redis rows are not run)");
     }
@@ -310,6 +351,12 @@ fn main() {
     println!(
         "engine-sim with zero simulated cost (in process); router as its own process; TTFT from the scheduled send"
     );
+    match router_cpu {
+        Some(c) => println!(
+            "router and Redis on CPU {c}, engines and client on the other CPUs (KVLOOP_BENCH_PIN=0: shared)"
+        ),
+        None => println!("every process shares every CPU"),
+    }
     println!(
         "| path | store | prefix check | requests | req/s | TTFT p50 µs | TTFT p99 µs | added p50 µs | added p99 µs | router CPU µs/req | errors | starved ticks |"
     );
@@ -321,7 +368,15 @@ fn main() {
         let (url, child) = if *path == "router" {
             let cfg = tmp.join(format!("router-{check}-{}.toml", store.len()));
             std::fs::write(&cfg, router_toml(store, check)).unwrap();
-            let mut c = Command::new(env!("CARGO_BIN_EXE_kvloop-router"));
+            let bin = env!("CARGO_BIN_EXE_kvloop-router");
+            let mut c = match router_cpu {
+                Some(cpu) => {
+                    let mut c = Command::new("taskset");
+                    c.args(["-c", &cpu.to_string(), bin]);
+                    c
+                }
+                None => Command::new(bin),
+            };
             c.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
             let child = ReadyChild::start("router", c, None, Duration::from_secs(20))
                 .expect("router starts");

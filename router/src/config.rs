@@ -159,12 +159,11 @@ pub struct RouterConfig {
     /// while it pays) and its bounds; see `kvloop_retention::RetentionConfig`
     /// and docs/operator-guide.md, "Decode-side retention" [adaptive].
     pub retention: kvloop_retention::RetentionConfig,
-    /// Worker threads of the router's runtime [1]. One event loop serves
-    /// every request without waking other threads; measured in
-    /// `cargo bench -p kvloop-router --bench chat_bench` on 2 cores at 400
-    /// req/s, router CPU per request: 1 worker ≈ 110 µs, 2 workers ≈ 180 µs
-    /// (cross-thread wake-ups). One worker carries a few thousand requests
-    /// per second; scale with replicas, or raise this past that.
+    /// Worker threads of the router's runtime: one event loop serves every
+    /// request without waking other threads (`chat_bench`, 2 cores, 400
+    /// req/s: router CPU per request 1 worker ≈ 110 µs, 2 workers ≈ 180
+    /// µs); one worker carries a few thousand requests per second, so scale
+    /// with replicas, or raise this past that [1].
     pub worker_threads: usize,
     /// Registered engines [none].
     pub engines: Vec<EngineConfig>,

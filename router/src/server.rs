@@ -133,34 +133,36 @@ async fn route_inner(
         )
     });
 
-    // What the router knows of the prompt.
-    let tokens: Option<Vec<u32>> = match &req.prompt_token_ids {
-        Some(t) => Some(t.clone()),
-        None if (req.conversation_id.is_some() || s.cfg.tokenize_every_request)
-            && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
-        {
-            match tokenize_body(api, &req.body) {
-                Some(b) => {
-                    let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
-                    s.tokenize_on(p_idx, &b, timeout).await
-                }
-                None => None,
-            }
-        }
-        None => None,
-    };
-    let history = req.history();
-
-    // Decision (single use: the entry leaves the store here).
+    // What the router knows of the prompt, and the stored turn (single
+    // use: the entry leaves the store here), asked for at once: the
+    // `/tokenize` round trip to P and the store's (Redis) round trip
+    // overlap.
     let key = req
         .conversation_id
         .as_deref()
         .map(|c| ConvKey::new(&req.tenant, c));
     let now = s.now_ms();
-    let lookup = match &key {
-        Some(k) => s.take_turn(k, now).await,
-        None => Lookup::Missing,
+    let tokens = async {
+        match &req.prompt_token_ids {
+            Some(t) => Some(t.clone()),
+            None if (req.conversation_id.is_some() || s.cfg.tokenize_every_request)
+                && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
+            {
+                let b = tokenize_body(api, &req.body)?;
+                let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
+                s.tokenize_on(p_idx, &b, timeout).await
+            }
+            None => None,
+        }
     };
+    let lookup = async {
+        match &key {
+            Some(k) => s.take_turn(k, now).await,
+            None => Lookup::Missing,
+        }
+    };
+    let (tokens, lookup): (Option<Vec<u32>>, Lookup) = tokio::join!(tokens, lookup);
+    let history = req.history();
     // A taken turn that this request does not pull is released below.
     let taken = match (&key, &lookup) {
         (Some(k), Lookup::Found(t)) => {
