@@ -303,7 +303,10 @@ impl Stream for Relay {
                     if this.out.is_empty() {
                         return Poll::Pending;
                     }
-                    if this.forwarded && this.yielded < COALESCE_YIELDS && this.out.len() < COALESCE_MAX_BYTES {
+                    if this.forwarded
+                        && this.yielded < COALESCE_YIELDS
+                        && this.out.len() < COALESCE_MAX_BYTES
+                    {
                         // Let D's connection task hand over what it has read.
                         this.yielded += 1;
                         cx.waker().wake_by_ref();
@@ -337,10 +340,10 @@ impl Stream for Relay {
                     }
                     this.out.extend_from_slice(&out);
                     this.yielded = 0;
-                    if !this.forwarded || this.out.len() >= COALESCE_MAX_BYTES {
-                        if let Some(o) = this.take_out() {
-                            return Poll::Ready(Some(Ok(o)));
-                        }
+                    if (!this.forwarded || this.out.len() >= COALESCE_MAX_BYTES)
+                        && let Some(o) = this.take_out()
+                    {
+                        return Poll::Ready(Some(Ok(o)));
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {

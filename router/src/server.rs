@@ -247,8 +247,8 @@ async fn route_inner(
         s.release_turn(k, t, cause);
     }
     // Formatted only when someone reads it (about 1 µs a turn).
-    let route_line = (s.cfg.route_header || tracing::enabled!(tracing::Level::DEBUG))
-        .then(|| record.line());
+    let route_line =
+        (s.cfg.route_header || tracing::enabled!(tracing::Level::DEBUG)).then(|| record.line());
     if let Some(line) = &route_line {
         debug!(%request_id, route = %line, "route");
     }

@@ -118,7 +118,10 @@ async fn events_that_arrive_together_leave_in_few_writes() {
         events().concat(),
         "every event forwarded byte for byte, in order"
     );
-    eprintln!("{} events reached the client in {chunks} chunks", EVENTS + 2);
+    eprintln!(
+        "{} events reached the client in {chunks} chunks",
+        EVENTS + 2
+    );
     assert!(
         chunks <= EVENTS / 4,
         "{} events arriving together were written in {chunks} chunks",
