@@ -41,7 +41,7 @@ pub struct AppState {
     /// Metrics.
     pub metrics: Metrics,
     pub(crate) upstream: Upstream,
-    clock: Box<dyn Clock>,
+    clock: Arc<dyn Clock>,
     pub(crate) rr_prefill: AtomicUsize,
     pub(crate) rr_decode: AtomicUsize,
     /// Outstanding prefill tokens and in-flight decode streams per engine
@@ -97,6 +97,7 @@ impl AppState {
     /// Invalid config or registry.
     pub fn new(cfg: RouterConfig, clock: Box<dyn Clock>) -> Result<Arc<Self>, BuildError> {
         cfg.validate()?;
+        let clock: Arc<dyn Clock> = Arc::from(clock);
         let registry = Registry::new(cfg.engines.clone())?;
         let http = reqwest::Client::builder()
             .http1_only()
@@ -136,10 +137,10 @@ impl AppState {
             thresholds: Mutex::new(ThresholdTable::new(cfg.kv_recompute_threshold)),
             metrics,
             upstream: Upstream { http },
-            clock,
+            clock: clock.clone(),
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
-            load: LoadBook::new(registry.engines().len()),
+            load: LoadBook::new(registry.engines().len(), clock),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),
             request_seq: AtomicU64::new(0),

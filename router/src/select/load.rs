@@ -1,9 +1,25 @@
 //! What the router knows of engine load from its own requests: outstanding
 //! prefill tokens per prefill engine, in-flight decode streams per decode
 //! engine, and each prefill engine's measured cost per token (an EWMA of
-//! completed prefills). No I/O; times are passed in. Indexed by registry index.
+//! completed prefills). No I/O; time comes from the injected [`Clock`].
+//! Indexed by registry index.
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::clock::Clock;
+
+/// This replica's prefills outstanding on one engine, oldest first, and
+/// when the oldest became the head of the line (it was sent to an idle
+/// engine, or the one before it answered), ms.
+#[derive(Default)]
+struct Fifo {
+    /// `(guard id, predicted compute µs)`.
+    items: VecDeque<(u64, u64)>,
+    head_since_ms: u64,
+}
 
 /// Weight of a new sample in the measured prefill cost (EWMA).
 pub const EWMA_ALPHA: f64 = 0.2;
@@ -23,6 +39,8 @@ struct Engine {
     /// f64 bits of the KV cache usage (0..1) the engine last reported
     /// (`vllm:kv_cache_usage_perc`); `u64::MAX`: not reported.
     kv_usage_bits: AtomicU64,
+    /// Outstanding prefills in the order sent (the remaining-work estimate).
+    fifo: Mutex<Fifo>,
 }
 
 /// Per-engine load counters, shared by the request tasks.
@@ -30,6 +48,8 @@ pub struct LoadBook {
     engines: Vec<Engine>,
     /// f64 bits of the EWMA of predicted compute per prefill, ms (0: none yet).
     mean_prefill_ms_bits: AtomicU64,
+    clock: Arc<dyn Clock>,
+    next_id: AtomicU64,
 }
 
 /// Outstanding prefill tokens on one engine while alive.
@@ -38,6 +58,7 @@ pub struct PrefillGuard {
     engine: u16,
     tokens: u64,
     compute_us: u64,
+    id: u64,
 }
 
 impl Drop for PrefillGuard {
@@ -47,6 +68,14 @@ impl Drop for PrefillGuard {
                 .fetch_sub(self.tokens, Ordering::Relaxed);
             e.outstanding_prefill_us
                 .fetch_sub(self.compute_us, Ordering::Relaxed);
+            let mut f = e.fifo.lock();
+            if let Some(pos) = f.items.iter().position(|x| x.0 == self.id) {
+                f.items.remove(pos);
+                if pos == 0 {
+                    // The next one starts now.
+                    f.head_since_ms = self.book.clock.now_ms();
+                }
+            }
         }
     }
 }
@@ -66,8 +95,9 @@ impl Drop for DecodeGuard {
 }
 
 impl LoadBook {
-    /// Counters for `n` engines (the registry's size), all zero.
-    pub fn new(n: usize) -> Arc<Self> {
+    /// Counters for `n` engines (the registry's size), all zero; times
+    /// from `clock`.
+    pub fn new(n: usize, clock: Arc<dyn Clock>) -> Arc<Self> {
         Arc::new(Self {
             engines: (0..n)
                 .map(|_| Engine {
@@ -77,6 +107,8 @@ impl LoadBook {
                 })
                 .collect(),
             mean_prefill_ms_bits: AtomicU64::new(0),
+            clock,
+            next_id: AtomicU64::new(0),
         })
     }
 
@@ -92,11 +124,17 @@ impl LoadBook {
         let compute_us = compute_ms
             .filter(|m| m.is_finite() && *m >= 0.0)
             .map_or(0, |m| (m * 1e3) as u64);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         if let Some(e) = self.engines.get(usize::from(engine)) {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
             e.outstanding_prefill_us
                 .fetch_add(compute_us, Ordering::Relaxed);
+            let mut f = e.fifo.lock();
+            if f.items.is_empty() {
+                f.head_since_ms = self.clock.now_ms();
+            }
+            f.items.push_back((id, compute_us));
         }
         if let Some(m) = compute_ms.filter(|m| m.is_finite() && *m >= 0.0) {
             let _ = self.mean_prefill_ms_bits.fetch_update(
@@ -120,6 +158,7 @@ impl LoadBook {
             engine,
             tokens,
             compute_us,
+            id,
         }
     }
 
@@ -176,17 +215,18 @@ impl LoadBook {
         }
     }
 
-    /// Queue ahead of a new prefill on `engine`, ms, from predicted compute:
-    /// the larger of this replica's outstanding predictions and the
+    /// Queue ahead of a new prefill on `engine` at `now_ms`, ms, from
+    /// predicted compute: the larger of the work this replica's
+    /// outstanding prefills still have ([`LoadBook::remaining_ms`]) and the
     /// engine's reported requests × the mean prediction (`None` before any
     /// prediction was counted).
-    pub fn queue_ms(&self, engine: u16) -> Option<f64> {
+    pub fn queue_ms(&self, engine: u16, now_ms: u64) -> Option<f64> {
         let e = self.engines.get(usize::from(engine))?;
         let mean_bits = self.mean_prefill_ms_bits.load(Ordering::Relaxed);
         if mean_bits == 0 {
             return None;
         }
-        let own = e.outstanding_prefill_us.load(Ordering::Relaxed) as f64 / 1e3;
+        let own = self.remaining_ms(engine, now_ms);
         let n = e.reported_requests.load(Ordering::Relaxed);
         let reported = if n == u32::MAX {
             0.0
@@ -194,6 +234,24 @@ impl LoadBook {
             f64::from(n) * f64::from_bits(mean_bits)
         };
         Some(own.max(reported))
+    }
+
+    /// Work this replica's outstanding prefills on `engine` still have at
+    /// `now_ms`, ms, as a first-come-first-served engine computes them: the
+    /// sum of their predicted compute less what the head of the line has
+    /// done since it became the head (at most its own prediction), so a P
+    /// deep into a long prefill does not look as busy as when it began.
+    pub fn remaining_ms(&self, engine: u16, now_ms: u64) -> f64 {
+        let Some(e) = self.engines.get(usize::from(engine)) else {
+            return 0.0;
+        };
+        let f = e.fifo.lock();
+        let Some(&(_, head_us)) = f.items.front() else {
+            return 0.0;
+        };
+        let total_us: u64 = f.items.iter().map(|x| x.1).sum();
+        let done_us = now_ms.saturating_sub(f.head_since_ms).saturating_mul(1000);
+        total_us.saturating_sub(done_us.min(head_us)) as f64 / 1e3
     }
 
     /// Records the KV cache usage `engine` reported (0..1; `None`: not
@@ -237,10 +295,16 @@ impl LoadBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ManualClock;
+
+    fn book(n: usize) -> (Arc<LoadBook>, Arc<ManualClock>) {
+        let c = Arc::new(ManualClock::default());
+        (LoadBook::new(n, c.clone()), c)
+    }
 
     #[test]
     fn guards_count_while_alive() {
-        let b = LoadBook::new(3);
+        let (b, _) = book(3);
         let g1 = b.begin_prefill(0, 100, None);
         let g2 = b.begin_prefill(0, 50, None);
         let d = b.begin_decode(2);
@@ -263,23 +327,58 @@ mod tests {
 
     #[test]
     fn queue_ms_is_the_larger_of_own_predictions_and_the_report() {
-        let b = LoadBook::new(2);
-        assert_eq!(b.queue_ms(0), None, "no prediction yet");
+        let (b, _) = book(2);
+        assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
         let g = b.begin_prefill(0, 1000, Some(100.0));
         let _h = b.begin_prefill(0, 1000, Some(200.0)); // mean 100 + 0.2 × 100 = 120
-        assert_eq!(b.queue_ms(0), Some(300.0));
-        assert_eq!(b.queue_ms(1), Some(0.0));
+        assert_eq!(b.queue_ms(0, 0), Some(300.0));
+        assert_eq!(b.queue_ms(1, 0), Some(0.0));
         b.set_reported_requests(1, Some(2));
-        assert!((b.queue_ms(1).unwrap() - 240.0).abs() < 1e-9);
+        assert!((b.queue_ms(1, 0).unwrap() - 240.0).abs() < 1e-9);
         b.set_reported_requests(1, None);
-        assert_eq!(b.queue_ms(1), Some(0.0), "not reported: own count only");
+        assert_eq!(b.queue_ms(1, 0), Some(0.0), "not reported: own count only");
         drop(g);
-        assert_eq!(b.queue_ms(0), Some(200.0));
+        assert_eq!(b.queue_ms(0, 0), Some(200.0));
+    }
+
+    #[test]
+    fn remaining_work_counts_down_as_the_head_computes() {
+        let (b, clock) = book(1);
+        clock.advance(1000);
+        let g1 = b.begin_prefill(0, 10, Some(600.0));
+        clock.advance(100);
+        let g2 = b.begin_prefill(0, 10, Some(300.0));
+        assert_eq!(
+            b.remaining_ms(0, 1100),
+            800.0,
+            "the head did 100 of its 600 ms"
+        );
+        assert_eq!(b.remaining_ms(0, 1500), 400.0);
+        assert_eq!(
+            b.remaining_ms(0, 5000),
+            300.0,
+            "a head late on its prediction still leaves the rest of the line"
+        );
+        clock.advance(400); // the head answers at 1500
+        drop(g1);
+        assert_eq!(
+            b.remaining_ms(0, 1600),
+            200.0,
+            "the next began when the head answered"
+        );
+        assert_eq!(b.queue_ms(0, 1600), Some(200.0));
+        // One that answers out of order leaves the head's start alone.
+        let g3 = b.begin_prefill(0, 10, Some(50.0));
+        drop(g3);
+        assert_eq!(b.remaining_ms(0, 1600), 200.0);
+        drop(g2);
+        assert_eq!(b.remaining_ms(0, 1600), 0.0);
+        assert_eq!(b.remaining_ms(7, 0), 0.0, "unknown engine");
     }
 
     #[test]
     fn measured_cost_is_an_ewma() {
-        let b = LoadBook::new(1);
+        let (b, _) = book(1);
         assert_eq!(b.measured_ms_per_token(0), None);
         b.record_prefill(0, 100, 10.0);
         assert_eq!(b.measured_ms_per_token(0), Some(0.1));

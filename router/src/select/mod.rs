@@ -11,8 +11,10 @@
 //!   the reusable prefix (pull it from the previous D, or recompute it),
 //!   predicted TTFT =
 //!   `queue(P) + reuse + suffix`, where
-//!   - `queue(P)` = the larger of this replica's predicted compute
-//!     outstanding on P and P's own report (its waiting and running
+//!   - `queue(P)` = the larger of the predicted compute this replica's
+//!     prefills outstanding on P still have (the oldest's progress since P
+//!     took it up deducted: [`load::LoadBook::remaining_ms`]) and P's own
+//!     report (its waiting and running
 //!     requests, polled every `load_interval_ms`) × the mean predicted
 //!     compute ([`load::LoadBook::queue_ms`]): the report also counts the
 //!     other replicas' requests. Before any prediction was counted: this

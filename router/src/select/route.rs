@@ -121,7 +121,7 @@ pub fn place_with_load(
             healthy: healthy(index),
             outstanding_tokens: load.outstanding_prefill_tokens(index),
             measured_ms_per_token: None,
-            queue_ms: load.queue_ms(index),
+            queue_ms: load.queue_ms(index, now_ms),
         })
         .collect();
     let dv: Vec<DecodeView> = decode_idx
