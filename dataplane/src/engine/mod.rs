@@ -164,6 +164,14 @@ impl TransferEngine {
         self.inner.backend.name()
     }
 
+    /// Payload bytes each rail of the backend has carried since start
+    /// (libfabric rails, first rail first: one entry without rails; empty
+    /// for NIXL). Sampled before and after a READ, the difference is what
+    /// each rail carried of it.
+    pub fn rail_bytes(&self) -> Vec<u64> {
+        self.inner.backend.rail_bytes()
+    }
+
     /// Local host region `i` (for filling and checking block contents).
     ///
     /// # Panics
