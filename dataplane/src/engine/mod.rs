@@ -360,8 +360,9 @@ async fn open_backend(
     let backend: Box<dyn TransferBackend> = match &cfg.backend {
         BackendConfig::Libfabric(f) => {
             let mut f = f.clone();
-            if f.bind_node.is_none() && f.provider.starts_with("tcp") {
-                // tcp listens on the node's address: the side channel's.
+            if f.bind_node.is_none() && f.rails.is_empty() && f.provider.starts_with("tcp") {
+                // tcp listens on the node's address: the side channel's
+                // (rails name their own).
                 f.bind_node = Some(cfg.side_channel_addr.ip().to_string());
             }
             Box::new(
