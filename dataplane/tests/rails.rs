@@ -30,7 +30,15 @@ fn fabric(provider: &str, rails: &[&str]) -> BackendConfig {
 }
 
 async fn engine(id: &str, backend: BackendConfig, tag: u8) -> TransferEngine {
-    support::filled_engine(id, "127.0.0.1:0".parse().unwrap(), backend, layout(), 10_000, tag).await
+    support::filled_engine(
+        id,
+        "127.0.0.1:0".parse().unwrap(),
+        backend,
+        layout(),
+        10_000,
+        tag,
+    )
+    .await
 }
 
 fn check_block(e: &TransferEngine, local: u64, src_tag: u8, remote: u64) {
@@ -64,7 +72,11 @@ async fn read(e: &TransferEngine, peer: &str, pairs: &[(u64, u64)]) -> ReadOutco
 /// one large READ split across the reader's rails, byte-exact, then small
 /// READs that go whole to one rail in turn. Returns the reader's per-rail
 /// bytes of the large READ.
-async fn reads_over_rails(provider: &str, reader_rails: &[&str], target_rails: &[&str]) -> Vec<u64> {
+async fn reads_over_rails(
+    provider: &str,
+    reader_rails: &[&str],
+    target_rails: &[&str],
+) -> Vec<u64> {
     let p = engine("prefill-0", fabric(provider, reader_rails), 1).await;
     let d = engine("decode-0", fabric(provider, target_rails), 2).await;
     p.connect(d.side_channel_addr()).await.unwrap();

@@ -47,7 +47,11 @@ impl ReadPlan {
     /// Groups `chunks` (each at most `max_msg_bytes`, raised to
     /// [`MIN_MSG_BYTES`]) into calls of at most `iovs_per_read` IOVs and one
     /// message size in total, in order.
-    pub(crate) fn from_chunks(chunks: Vec<Chunk>, max_msg_bytes: u64, iovs_per_read: usize) -> Self {
+    pub(crate) fn from_chunks(
+        chunks: Vec<Chunk>,
+        max_msg_bytes: u64,
+        iovs_per_read: usize,
+    ) -> Self {
         let max = max_msg_bytes.max(MIN_MSG_BYTES);
         let per = iovs_per_read.max(1);
         let mut ends = Vec::new();
@@ -107,7 +111,11 @@ pub(crate) fn plan_rails(
 ) -> Vec<(usize, ReadPlan)> {
     if rails <= 1 {
         let p = ReadPlan::new(segments, max_msg_bytes, iovs_per_read);
-        return if p.is_empty() { Vec::new() } else { vec![(0, p)] };
+        return if p.is_empty() {
+            Vec::new()
+        } else {
+            vec![(0, p)]
+        };
     }
     let chunks = chunk(segments, max_msg_bytes.max(MIN_MSG_BYTES));
     split_rails(&chunks, rails, min_part_bytes, first)
@@ -340,10 +348,7 @@ mod tests {
         // One rail: everything on it.
         assert_eq!(split_rails(&chunks, 1, 1, 5), [(0, chunks.to_vec())]);
         // Below the minimum per rail: whole, on the rail whose turn it is.
-        assert_eq!(
-            split_rails(&chunks, 4, 64 << 10, 6),
-            [(2, chunks.to_vec())]
-        );
+        assert_eq!(split_rails(&chunks, 4, 64 << 10, 6), [(2, chunks.to_vec())]);
         // Nothing to read: no parts.
         assert!(split_rails(&[], 2, 1, 0).is_empty());
         assert!(split_rails(&[c(0, 0)], 2, 1, 0).is_empty());
@@ -359,10 +364,7 @@ mod tests {
         assert_eq!(parts[1], (1, chunks[8..].to_vec()));
         // The turn rotates which rail gets which part.
         let parts = split_rails(&chunks, 2, 4096, 1);
-        assert_eq!(
-            parts.iter().map(|p| p.0).collect::<Vec<_>>(),
-            [1, 0]
-        );
+        assert_eq!(parts.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 0]);
     }
 
     #[test]
@@ -389,7 +391,9 @@ mod tests {
 
     #[test]
     fn plans_over_rails_group_each_part() {
-        let segs: Vec<Segment> = (0..8).map(|i| seg(1, i * 100_000, i * 100_000, 65_536)).collect();
+        let segs: Vec<Segment> = (0..8)
+            .map(|i| seg(1, i * 100_000, i * 100_000, 65_536))
+            .collect();
         let p = plan_rails(&segs, 1 << 20, 2, (2, 64 << 10, 0));
         assert_eq!(p.len(), 2);
         for (rail, plan) in &p {
