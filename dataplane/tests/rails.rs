@@ -179,3 +179,67 @@ async fn rails_with_bind_node_are_refused_naming_the_field() {
         .to_string();
     assert!(e.contains("rails"), "{e}");
 }
+
+/// A READ whose part on one rail cannot complete (that rail names an
+/// endpoint that is gone) fails as a whole, after the other rail's part
+/// completed, instead of reporting success or hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_rail_fails_the_whole_read() {
+    use kvloop_dataplane::backend::{BackendMetadata, Completion, TransferBackend};
+    use kvloop_dataplane::fabric::FabricBackend;
+    use kvloop_dataplane::layout::Segment;
+    use kvloop_dataplane::region::RegionDesc;
+
+    let len = 4usize << 20;
+    let src = HostRegion::new("rails-src", len).unwrap();
+    let dst = HostRegion::new("rails-dst", len).unwrap();
+    let two = FabricConfig {
+        provider: "tcp;ofi_rxm".into(),
+        rails: vec!["127.0.0.1".into(), "127.0.0.2".into()],
+        busy_poll: true,
+        ..Default::default()
+    };
+    let target = FabricBackend::new(two.clone(), &[RegionDesc::from(&src)]).unwrap();
+    let gone = FabricBackend::new(
+        FabricConfig {
+            rails: vec!["127.0.0.2".into()],
+            ..two.clone()
+        },
+        &[RegionDesc::from(&dst)],
+    )
+    .unwrap();
+    let gone_address = match gone.metadata() {
+        BackendMetadata::Libfabric { address, .. } => address,
+        other => panic!("{other:?}"),
+    };
+    drop(gone);
+    let reader = FabricBackend::new(two, &[RegionDesc::from(&dst)]).unwrap();
+    let mut md = target.metadata();
+    let BackendMetadata::Libfabric { rails, .. } = &mut md else {
+        panic!("libfabric metadata")
+    };
+    rails[0].address = gone_address;
+    reader.check_peer("target", &md).unwrap();
+    let slot = reader.add_peer("target", &md).unwrap();
+    let (done, rx) = Completion::new();
+    let seg = Segment {
+        region: 0,
+        remote_offset: 0,
+        local_offset: 0,
+        len_bytes: len as u64,
+    };
+    reader.post_read(slot, &[seg], done);
+    let r = tokio::time::timeout(Duration::from_secs(30), rx)
+        .await
+        .expect("the READ resolves")
+        .expect("the READ is completed, not dropped");
+    let e = r.expect_err("a READ with a failed rail fails");
+    assert!(
+        matches!(e, DataplaneError::Backend { .. }),
+        "unexpected error: {e}"
+    );
+    // The rail that worked carried its half.
+    let bytes = reader.rail_bytes();
+    assert_eq!(bytes[0], len as u64 / 2, "{bytes:?}");
+    assert_eq!(bytes[1], 0, "{bytes:?}");
+}
