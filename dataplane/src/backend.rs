@@ -7,7 +7,7 @@ use crate::layout::Segment;
 use crate::quarantine::Release;
 
 /// Defined with the side-channel messages in `kvloop-kv-types`.
-pub use kvloop_kv_types::sidechannel::{BackendMetadata, RemoteRegion};
+pub use kvloop_kv_types::sidechannel::{BackendMetadata, RailEndpoint, RemoteRegion};
 
 /// Completion handle of one posted READ: resolved exactly once by the
 /// backend, after every operation it posted for that READ has completed
@@ -124,6 +124,12 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// Gives the role up; when anything is still in flight the backend's own
     /// progress takes over at once. Default: nothing.
     fn drive_end(&self) {}
+    /// Payload bytes each rail has carried (successful READ operations
+    /// since the backend started), first rail first; empty for backends
+    /// without rails (NIXL). Default: empty.
+    fn rail_bytes(&self) -> Vec<u64> {
+        Vec::new()
+    }
     /// A peer is about to READ this engine's memory for about `expected`:
     /// keep serving-side progress active that long. Default: nothing (NIXL's
     /// UCX backend makes its own progress).

@@ -73,6 +73,7 @@ mod tests {
                     len_bytes: 16384,
                     device_id: 0,
                 }],
+                rails: Vec::new(),
             },
         }
     }

@@ -119,23 +119,52 @@ impl NodePair {
         assert_eq!(rc, 0, "setns({ns}): {}", std::io::Error::last_os_error());
     }
 
+    /// Joins A and B by one more veth pair (a second NIC, e.g. a rail),
+    /// number `k` (1 to 200), with addresses `172.16.<k>.1/24` (in A) and
+    /// `.2/24` (in B): its own subnet, so traffic between those addresses
+    /// takes this link. Returns (address in A, address in B, device in B);
+    /// removed with the namespaces.
+    ///
+    /// # Errors
+    /// When `k` is out of range or iproute2 fails (the message names the
+    /// command).
+    pub fn add_link(&self, k: u32) -> Result<(Ipv4Addr, Ipv4Addr, String)> {
+        if !(1..=200).contains(&k) {
+            bail!("extra link number {k}: expected 1 to 200");
+        }
+        let dev_a = format!("{}r{k}", self.dev_a);
+        let dev_b = format!("{}r{k}", self.dev_b);
+        let addr_a = Ipv4Addr::new(172, 16, k as u8, 1);
+        let addr_b = Ipv4Addr::new(172, 16, k as u8, 2);
+        ip(&[
+            "link", "add", &dev_a, "type", "veth", "peer", "name", &dev_b,
+        ])?;
+        ip(&["link", "set", &dev_a, "netns", &self.ns_a])?;
+        ip(&["link", "set", &dev_b, "netns", &self.ns_b])?;
+        for (ns, dev, addr) in [(&self.ns_a, &dev_a, addr_a), (&self.ns_b, &dev_b, addr_b)] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+        }
+        Ok((addr_a, addr_b, dev_b))
+    }
+
     /// Limits the rate of B's egress (what A READs from B) with `tc tbf`.
     ///
     /// # Errors
     /// When `tc` fails.
     pub fn limit_rate_b(&self, rate: &str) -> Result<()> {
+        self.limit_rate_dev_b(&self.dev_b, rate)
+    }
+
+    /// Limits the rate of B's egress on its device `dev` (the first veth,
+    /// or one from [`NodePair::add_link`]) with `tc tbf`.
+    ///
+    /// # Errors
+    /// When `tc` fails.
+    pub fn limit_rate_dev_b(&self, dev: &str, rate: &str) -> Result<()> {
         let out = Command::new("tc")
             .args([
-                "-n",
-                &self.ns_b,
-                "qdisc",
-                "replace",
-                "dev",
-                &self.dev_b,
-                "root",
-                "tbf",
-                "rate",
-                rate,
+                "-n", &self.ns_b, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
             ])
             .args(["burst", "256kb", "latency", "100ms"])
             .output()

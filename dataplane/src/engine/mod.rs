@@ -164,6 +164,14 @@ impl TransferEngine {
         self.inner.backend.name()
     }
 
+    /// Payload bytes each rail of the backend has carried since start
+    /// (libfabric rails, first rail first: one entry without rails; empty
+    /// for NIXL). Sampled before and after a READ, the difference is what
+    /// each rail carried of it.
+    pub fn rail_bytes(&self) -> Vec<u64> {
+        self.inner.backend.rail_bytes()
+    }
+
     /// Local host region `i` (for filling and checking block contents).
     ///
     /// # Panics
@@ -352,8 +360,9 @@ async fn open_backend(
     let backend: Box<dyn TransferBackend> = match &cfg.backend {
         BackendConfig::Libfabric(f) => {
             let mut f = f.clone();
-            if f.bind_node.is_none() && f.provider.starts_with("tcp") {
-                // tcp listens on the node's address: the side channel's.
+            if f.bind_node.is_none() && f.rails.is_empty() && f.provider.starts_with("tcp") {
+                // tcp listens on the node's address: the side channel's
+                // (rails name their own).
                 f.bind_node = Some(cfg.side_channel_addr.ip().to_string());
             }
             Box::new(

@@ -2,6 +2,8 @@
 //! from `fi_info`.
 use serde::{Deserialize, Serialize};
 
+use crate::error::{DataplaneError, Result};
+
 /// Configuration of the libfabric backend.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -14,6 +16,22 @@ pub struct FabricConfig {
     /// none (provider's choice).
     #[serde(default)]
     pub bind_node: Option<String>,
+    /// Rails: one endpoint (fabric, domain, endpoint, CQ, AV, and every
+    /// region registered on that domain) per entry, each bound to this
+    /// source address or node name (a NIC's address in production; here a
+    /// veth's or a loopback address); `""` leaves the source to the provider
+    /// (e.g. `shm`). A READ's bytes are spread across the rails, rail `k` of
+    /// the reader reading from rail `k mod n` of an `n`-rail target. Empty
+    /// (the default): one endpoint bound to `bind_node`. Exclusive with
+    /// `bind_node`; at most [`MAX_RAILS`].
+    #[serde(default)]
+    pub rails: Vec<String>,
+    /// A READ smaller than this many bytes per rail goes whole to one rail
+    /// (rails taken in turn, READ by READ) instead of being split; bytes.
+    /// Default 65536 (64 KiB: below that the extra posts and completions of
+    /// a split cost more than the rails' bandwidth saves).
+    #[serde(default = "default_rail_min_bytes")]
+    pub rail_min_bytes: u64,
     /// Progress thread: spin this long after the last activity before
     /// waiting, µs. Default 200.
     #[serde(default = "default_spin_us")]
@@ -52,6 +70,12 @@ pub struct FabricConfig {
     pub idle_sleep_max_us: u64,
 }
 
+/// Most rails one engine opens.
+pub const MAX_RAILS: usize = 16;
+
+fn default_rail_min_bytes() -> u64 {
+    64 << 10
+}
 fn default_provider() -> String {
     "tcp;ofi_rxm".into()
 }
@@ -76,6 +100,8 @@ impl Default for FabricConfig {
         Self {
             provider: default_provider(),
             bind_node: None,
+            rails: Vec::new(),
+            rail_min_bytes: default_rail_min_bytes(),
             spin_us: default_spin_us(),
             caller_spin_us: default_caller_spin_us(),
             idle_sleep_us: default_idle_sleep_us(),
@@ -84,6 +110,37 @@ impl Default for FabricConfig {
             max_iovs_per_read: None,
             busy_poll: false,
         }
+    }
+}
+
+impl FabricConfig {
+    /// The source node of each endpoint to open, first rail first: `rails`
+    /// (`""` as `None`), or `bind_node` alone when there are no rails.
+    ///
+    /// # Errors
+    /// [`DataplaneError::Config`] naming `rails` when both `rails` and
+    /// `bind_node` are set or there are more than [`MAX_RAILS`] rails.
+    pub fn rail_nodes(&self) -> Result<Vec<Option<String>>> {
+        if self.rails.is_empty() {
+            return Ok(vec![self.bind_node.clone()]);
+        }
+        if self.bind_node.is_some() {
+            return Err(DataplaneError::Config {
+                field: "rails",
+                expected: "either `rails` or `bind_node`, not both (list the first rail's address in `rails`)".into(),
+            });
+        }
+        if self.rails.len() > MAX_RAILS {
+            return Err(DataplaneError::Config {
+                field: "rails",
+                expected: format!("at most {MAX_RAILS} rails, got {}", self.rails.len()),
+            });
+        }
+        Ok(self
+            .rails
+            .iter()
+            .map(|r| (!r.is_empty()).then(|| r.clone()))
+            .collect())
     }
 }
 
@@ -96,4 +153,48 @@ pub struct Limits {
     pub iovs_per_read: usize,
     /// Maximum bytes per READ (`ep_attr->max_msg_size`).
     pub max_msg_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rails_default_to_one_endpoint_on_bind_node() {
+        let c = FabricConfig::default();
+        assert_eq!(c.rail_nodes().unwrap(), [None]);
+        let c = FabricConfig {
+            bind_node: Some("10.0.0.1".into()),
+            ..Default::default()
+        };
+        assert_eq!(c.rail_nodes().unwrap(), [Some("10.0.0.1".to_string())]);
+        // An existing config without rails keeps working unchanged.
+        let c: FabricConfig = serde_json::from_str(r#"{"provider": "shm"}"#).unwrap();
+        assert!(c.rails.is_empty());
+        assert_eq!(c.rail_min_bytes, 64 << 10);
+    }
+
+    #[test]
+    fn rails_list_their_nodes_and_refuse_bad_combinations() {
+        let c = FabricConfig {
+            rails: vec!["127.0.0.1".into(), "".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            c.rail_nodes().unwrap(),
+            [Some("127.0.0.1".to_string()), None]
+        );
+        let both = FabricConfig {
+            bind_node: Some("127.0.0.1".into()),
+            ..c.clone()
+        };
+        let e = both.rail_nodes().unwrap_err().to_string();
+        assert!(e.contains("rails"), "{e}");
+        let many = FabricConfig {
+            rails: vec![String::new(); MAX_RAILS + 1],
+            ..Default::default()
+        };
+        let e = many.rail_nodes().unwrap_err().to_string();
+        assert!(e.contains("rails") && e.contains("17"), "{e}");
+    }
 }

@@ -1,6 +1,15 @@
 //! libfabric backend: one RDM endpoint with `FI_RMA | FI_READ | FI_REMOTE_READ`
-//! on a configured provider (`efa` in production; `tcp;ofi_rxm` and `shm`
-//! here), kvloop's own bindings (see `build.rs`).
+//! per rail (one per NIC in production; one without rails) on a configured
+//! provider (`efa` in production; `tcp;ofi_rxm` and `shm` here), kvloop's own
+//! bindings (see `build.rs`).
+//!
+//! Rails ([`FabricConfig::rails`]): every rail is a fabric, domain, AV, CQ
+//! and endpoint of its own with every region registered on its domain; the
+//! handshake metadata carries each rail's address and keys. Rail `k` of the
+//! reader reads rail `k mod n` of an `n`-rail target; a READ's bytes are
+//! split across the rails (`plan::split_rails`), each part is posted and
+//! completed on its rail, and the READ resolves when every part has (with
+//! the first error of any). Per-rail bytes: [`TransferBackend::rail_bytes`].
 //!
 //! * [`config`]: [`FabricConfig`] and the provider [`Limits`].
 //! * `ffi`: the FFI boundary (endpoint, memory registration; the raw
@@ -40,7 +49,9 @@ use parking_lot::{Mutex, RwLock};
 pub use config::{FabricConfig, Limits};
 pub use ffi::fi_error_string;
 
-use crate::backend::{BackendMetadata, Completion, PeerSlot, TransferBackend, mismatch};
+use crate::backend::{
+    BackendMetadata, Completion, PeerSlot, RailEndpoint, TransferBackend, mismatch,
+};
 use crate::error::{DataplaneError, Result};
 use crate::layout::Segment;
 use crate::region::{MemoryKind, RegionDesc};
@@ -55,31 +66,59 @@ pub struct FabricBackend {
 }
 
 impl FabricBackend {
-    /// Opens an endpoint on `cfg.provider`, registers `regions` (in layout
-    /// order) and starts the progress thread.
+    /// Opens one endpoint on `cfg.provider` per rail (one bound to
+    /// `cfg.bind_node` without rails), registers `regions` (in layout order)
+    /// on each rail's domain and starts the progress thread.
     ///
     /// # Errors
-    /// [`DataplaneError::Config`] when the provider is not available;
+    /// [`DataplaneError::Config`] when the provider is not available or
+    /// `rails` is invalid ([`FabricConfig::rail_nodes`]);
     /// [`DataplaneError::Backend`] when a libfabric call fails.
     pub fn new(cfg: FabricConfig, regions: &[RegionDesc]) -> Result<Self> {
         let hmem = regions.iter().any(|r| r.kind != MemoryKind::Host);
-        let ep = Endpoint::open(&cfg, hmem)?;
-        let mut mrs = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter().enumerate() {
-            mrs.push(ep.register(r, i)?);
+        let nodes = cfg.rail_nodes()?;
+        let mut rails = Vec::with_capacity(nodes.len());
+        for (k, node) in nodes.iter().enumerate() {
+            let rail_cfg = FabricConfig {
+                bind_node: node.clone(),
+                rails: Vec::new(),
+                ..cfg.clone()
+            };
+            let ep = Endpoint::open(&rail_cfg, hmem)?;
+            let mut mrs = Vec::with_capacity(regions.len());
+            for (i, r) in regions.iter().enumerate() {
+                mrs.push(ep.register(r, i)?);
+            }
+            tracing::info!(
+                rail = k,
+                node = node.as_deref().unwrap_or("-"),
+                provider = %ep.provider,
+                mr_mode = format_args!("{:#x}", ep.mr_mode),
+                tx_size = ep.limits.tx_size,
+                iovs_per_read = ep.limits.iovs_per_read,
+                max_msg_bytes = ep.limits.max_msg_bytes,
+                wait_fd = ep.wait_fd.is_some(),
+                "libfabric endpoint open"
+            );
+            rails.push(state::Rail {
+                mrs,
+                ep,
+                outstanding: AtomicUsize::new(0),
+                bytes: AtomicU64::new(0),
+            });
         }
-        tracing::info!(
-            provider = %ep.provider,
-            mr_mode = format_args!("{:#x}", ep.mr_mode),
-            tx_size = ep.limits.tx_size,
-            iovs_per_read = ep.limits.iovs_per_read,
-            max_msg_bytes = ep.limits.max_msg_bytes,
-            wait_fd = ep.wait_fd.is_some(),
-            "libfabric endpoint open"
-        );
+        let limits = rails
+            .iter()
+            .map(|r| r.ep.limits)
+            .reduce(|a, b| Limits {
+                tx_size: a.tx_size.min(b.tx_size),
+                iovs_per_read: a.iovs_per_read.min(b.iovs_per_read),
+                max_msg_bytes: a.max_msg_bytes.min(b.max_msg_bytes),
+            })
+            .expect("at least one rail");
         let shared = Arc::new(Shared {
-            ep,
-            mrs,
+            rails,
+            limits,
             peers: RwLock::new(Vec::new()),
             retired: Mutex::new(Vec::new()),
             retired_any: AtomicBool::new(false),
@@ -108,25 +147,30 @@ impl FabricBackend {
         })
     }
 
-    /// Provider limits in force.
+    /// Provider limits in force (the smallest of every rail's).
     pub fn limits(&self) -> Limits {
-        self.shared.ep.limits
+        self.shared.limits
     }
 
     /// Whether efa emulates RMA READ in software (`None`: not efa / unknown).
     pub fn emulated_read(&self) -> Option<bool> {
-        self.shared.ep.emulated_read
+        self.shared.ep().emulated_read
     }
 
     /// The provider's memory-registration mode bits (`FI_MR_*`).
     pub fn mr_mode(&self) -> u64 {
-        self.shared.ep.mr_mode
+        self.shared.ep().mr_mode
+    }
+
+    /// Endpoints open: the configured rails, or 1.
+    pub fn rail_count(&self) -> usize {
+        self.shared.rails.len()
     }
 }
 
 impl TransferBackend for FabricBackend {
     fn name(&self) -> String {
-        self.shared.ep.name()
+        self.shared.ep().name()
     }
 
     fn kind(&self) -> kvloop_common::BackendKind {
@@ -134,33 +178,44 @@ impl TransferBackend for FabricBackend {
     }
 
     fn metadata(&self) -> BackendMetadata {
+        let remote = |r: &state::Rail| r.mrs.iter().map(|m| m.remote).collect::<Vec<_>>();
+        let first = &self.shared.rails[0];
         BackendMetadata::Libfabric {
-            provider: self.shared.ep.provider.clone(),
-            address: self.shared.ep.address.clone(),
-            regions: self.shared.mrs.iter().map(|m| m.remote).collect(),
+            provider: first.ep.provider.clone(),
+            address: first.ep.address.clone(),
+            regions: remote(first),
+            rails: self.shared.rails[1..]
+                .iter()
+                .map(|r| RailEndpoint {
+                    address: r.ep.address.clone(),
+                    regions: remote(r),
+                })
+                .collect(),
         }
     }
 
     fn check_peer(&self, engine_id: &str, peer: &BackendMetadata) -> Result<()> {
         match peer {
-            BackendMetadata::Libfabric {
-                provider, regions, ..
-            } => {
-                if *provider != self.shared.ep.provider {
+            BackendMetadata::Libfabric { provider, .. } => {
+                let ours = &self.shared.ep().provider;
+                if provider != ours {
                     return Err(mismatch(
                         engine_id,
                         "provider",
-                        self.shared.ep.provider.clone(),
+                        ours.clone(),
                         provider.clone(),
                     ));
                 }
-                if regions.len() != self.shared.mrs.len() {
-                    return Err(mismatch(
-                        engine_id,
-                        "regions",
-                        self.shared.mrs.len().to_string(),
-                        regions.len().to_string(),
-                    ));
+                let n = self.shared.rails[0].mrs.len();
+                for (_, regions) in peer.fabric_rails() {
+                    if regions.len() != n {
+                        return Err(mismatch(
+                            engine_id,
+                            "regions",
+                            n.to_string(),
+                            regions.len().to_string(),
+                        ));
+                    }
                 }
                 Ok(())
             }
@@ -174,17 +229,29 @@ impl TransferBackend for FabricBackend {
     }
 
     fn add_peer(&self, _engine_id: &str, peer: &BackendMetadata) -> Result<PeerSlot> {
-        let BackendMetadata::Libfabric {
-            address, regions, ..
-        } = peer
-        else {
-            unreachable!("check_peer refuses other backends")
-        };
-        let fi_addr = self.shared.ep.insert_peer(address)?;
+        let theirs = peer.fabric_rails();
+        assert!(!theirs.is_empty(), "check_peer refuses other backends");
+        // Local rail k reads the peer's rail k mod n.
+        let mut rails: Vec<state::PeerRail> = Vec::with_capacity(self.shared.rails.len());
+        for (k, rail) in self.shared.rails.iter().enumerate() {
+            let (address, regions) = theirs[k % theirs.len()];
+            match rail.ep.insert_peer(address) {
+                Ok(fi_addr) => rails.push(state::PeerRail {
+                    fi_addr,
+                    regions: regions.to_vec(),
+                }),
+                Err(e) => {
+                    // Nothing was posted to the entries inserted so far.
+                    for (j, p) in rails.iter().enumerate() {
+                        self.shared.rails[j].ep.remove_peer(p.fi_addr);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let mut peers = self.shared.peers.write();
         peers.push(Some(PeerEntry {
-            fi_addr,
-            regions: regions.clone(),
+            rails,
             gone: AtomicBool::new(false),
         }));
         Ok(PeerSlot(peers.len() - 1))
@@ -208,10 +275,21 @@ impl TransferBackend for FabricBackend {
             .get_mut(slot.0)
             .and_then(Option::take);
         if let Some(p) = gone {
-            self.shared.retired.lock().push(p.fi_addr);
+            self.shared
+                .retired
+                .lock()
+                .extend(p.rails.iter().enumerate().map(|(k, r)| (k, r.fi_addr)));
             self.shared.retired_any.store(true, Ordering::Release);
             self.shared.reap_retired();
         }
+    }
+
+    fn rail_bytes(&self) -> Vec<u64> {
+        self.shared
+            .rails
+            .iter()
+            .map(|r| r.bytes.load(Ordering::Relaxed))
+            .collect()
     }
 
     fn kick(&self, expected: Duration) {

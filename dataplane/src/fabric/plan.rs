@@ -37,9 +37,23 @@ impl ReadPlan {
     /// message size is split into consecutive chunks; zero-length segments
     /// produce nothing.
     pub(crate) fn new(segments: &[Segment], max_msg_bytes: u64, iovs_per_read: usize) -> Self {
+        Self::from_chunks(
+            chunk(segments, max_msg_bytes.max(MIN_MSG_BYTES)),
+            max_msg_bytes,
+            iovs_per_read,
+        )
+    }
+
+    /// Groups `chunks` (each at most `max_msg_bytes`, raised to
+    /// [`MIN_MSG_BYTES`]) into calls of at most `iovs_per_read` IOVs and one
+    /// message size in total, in order.
+    pub(crate) fn from_chunks(
+        chunks: Vec<Chunk>,
+        max_msg_bytes: u64,
+        iovs_per_read: usize,
+    ) -> Self {
         let max = max_msg_bytes.max(MIN_MSG_BYTES);
         let per = iovs_per_read.max(1);
-        let chunks = chunk(segments, max);
         let mut ends = Vec::new();
         let mut start = 0;
         while start < chunks.len() {
@@ -78,6 +92,106 @@ impl ReadPlan {
         starts
             .zip(self.ends.iter().copied())
             .map(|(s, e)| &self.chunks[s..e])
+    }
+}
+
+/// Rail cuts fall on multiples of this many bytes from a chunk's start
+/// (so page-aligned blocks stay page-aligned on every rail), bytes.
+pub(crate) const SPLIT_ALIGN: u64 = 4096;
+
+/// Plans a READ over `rails` rails: the segments are chunked to
+/// `max_msg_bytes`, the chunks split into per-rail parts by
+/// [`split_rails`], and each part grouped into `fi_readmsg` calls. Returns
+/// (rail, plan) for every rail that carries bytes.
+pub(crate) fn plan_rails(
+    segments: &[Segment],
+    max_msg_bytes: u64,
+    iovs_per_read: usize,
+    (rails, min_part_bytes, first): (usize, u64, usize),
+) -> Vec<(usize, ReadPlan)> {
+    if rails <= 1 {
+        let p = ReadPlan::new(segments, max_msg_bytes, iovs_per_read);
+        return if p.is_empty() {
+            Vec::new()
+        } else {
+            vec![(0, p)]
+        };
+    }
+    let chunks = chunk(segments, max_msg_bytes.max(MIN_MSG_BYTES));
+    split_rails(&chunks, rails, min_part_bytes, first)
+        .into_iter()
+        .map(|(rail, part)| {
+            (
+                rail,
+                ReadPlan::from_chunks(part, max_msg_bytes, iovs_per_read),
+            )
+        })
+        .collect()
+}
+
+/// Splits a READ's chunks across `rails` rails by bytes: into `parts =
+/// clamp(total / min_part_bytes, 1, rails)` contiguous runs of the chunk
+/// sequence, part `i` ending at about `(i + 1) × total / parts` bytes (the
+/// cut inside a chunk falls on the nearest multiple of [`SPLIT_ALIGN`] from
+/// the chunk's start, or its end), so every part is within [`SPLIT_ALIGN`]
+/// bytes of `total / parts`. Part `i` goes to rail `(first + i) % rails`;
+/// rails that would carry nothing are left out. Every byte of every chunk
+/// is in exactly one part, each part keeps the chunks' order, and the parts
+/// in rail-turn order are the chunks again. Pure.
+pub(crate) fn split_rails(
+    chunks: &[Chunk],
+    rails: usize,
+    min_part_bytes: u64,
+    first: usize,
+) -> Vec<(usize, Vec<Chunk>)> {
+    let rails = rails.max(1);
+    let total: u64 = chunks.iter().map(|c| c.len).sum();
+    if total == 0 {
+        return Vec::new();
+    }
+    let parts = (total / min_part_bytes.max(1)).clamp(1, rails as u64) as usize;
+    // End of part `p` in the READ's byte stream (u128: no overflow).
+    let end = |p: usize| ((total as u128 * (p as u128 + 1)) / parts as u128) as u64;
+    let mut out: Vec<Vec<Chunk>> = vec![Vec::new(); parts];
+    let mut p = 0;
+    let mut pos = 0;
+    for &c in chunks {
+        let mut c = c;
+        while p + 1 < parts && pos + c.len > end(p) {
+            let cut = nearest_cut(end(p).saturating_sub(pos), c.len);
+            if cut > 0 {
+                out[p].push(Chunk { len: cut, ..c });
+                c = Chunk {
+                    region: c.region,
+                    remote_offset: c.remote_offset + cut,
+                    local_offset: c.local_offset + cut,
+                    len: c.len - cut,
+                };
+                pos += cut;
+            }
+            p += 1;
+        }
+        if c.len > 0 {
+            out[p].push(c);
+            pos += c.len;
+        }
+    }
+    out.into_iter()
+        .enumerate()
+        .filter(|(_, part)| !part.is_empty())
+        .map(|(i, part)| ((first + i) % rails, part))
+        .collect()
+}
+
+/// The cut nearest `want` bytes into a chunk of `len` bytes (`want <
+/// len`): a multiple of [`SPLIT_ALIGN`], or `len`; the lower one on a tie.
+fn nearest_cut(want: u64, len: u64) -> u64 {
+    let lower = want / SPLIT_ALIGN * SPLIT_ALIGN;
+    let upper = (lower + SPLIT_ALIGN).min(len);
+    if want - lower <= upper.saturating_sub(want) {
+        lower
+    } else {
+        upper
     }
 }
 
@@ -210,6 +324,141 @@ mod tests {
         assert_eq!(p.len(), 3);
         // A segment of exactly the message size is one chunk.
         assert_eq!(ReadPlan::new(&[seg(0, 0, 0, 8192)], 8192, 1).len(), 1);
+    }
+
+    fn c(remote_offset: u64, len: u64) -> Chunk {
+        Chunk {
+            region: 0,
+            remote_offset,
+            local_offset: remote_offset + 7,
+            len,
+        }
+    }
+
+    fn rail_bytes(parts: &[(usize, Vec<Chunk>)]) -> Vec<(usize, u64)> {
+        parts
+            .iter()
+            .map(|(r, p)| (*r, p.iter().map(|c| c.len).sum()))
+            .collect()
+    }
+
+    #[test]
+    fn one_rail_or_a_small_read_stays_whole() {
+        let chunks = [c(0, 4096), c(8192, 4096)];
+        // One rail: everything on it.
+        assert_eq!(split_rails(&chunks, 1, 1, 5), [(0, chunks.to_vec())]);
+        // Below the minimum per rail: whole, on the rail whose turn it is.
+        assert_eq!(split_rails(&chunks, 4, 64 << 10, 6), [(2, chunks.to_vec())]);
+        // Nothing to read: no parts.
+        assert!(split_rails(&[], 2, 1, 0).is_empty());
+        assert!(split_rails(&[c(0, 0)], 2, 1, 0).is_empty());
+    }
+
+    #[test]
+    fn whole_descriptors_are_dealt_in_contiguous_runs() {
+        // 16 blocks of 16 KiB over 2 rails: 8 each, in order.
+        let chunks: Vec<Chunk> = (0..16).map(|i| c(i * 32_768, 16_384)).collect();
+        let parts = split_rails(&chunks, 2, 4096, 0);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0], (0, chunks[..8].to_vec()));
+        assert_eq!(parts[1], (1, chunks[8..].to_vec()));
+        // The turn rotates which rail gets which part.
+        let parts = split_rails(&chunks, 2, 4096, 1);
+        assert_eq!(parts.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 0]);
+    }
+
+    #[test]
+    fn one_big_descriptor_is_cut_on_aligned_offsets() {
+        // One 16 MiB chunk over 4 rails: four 4 MiB pieces.
+        let parts = split_rails(&[c(1 << 20, 16 << 20)], 4, 64 << 10, 0);
+        assert_eq!(
+            rail_bytes(&parts),
+            [(0, 4 << 20), (1, 4 << 20), (2, 4 << 20), (3, 4 << 20)]
+        );
+        assert_eq!(parts[1].1, [c((1 << 20) + (4 << 20), 4 << 20)]);
+        // 3 rails of 1 MiB + 5 bytes: cuts at multiples of 4 KiB, within
+        // 4 KiB of a third each.
+        let total = (1 << 20) + 5;
+        let parts = split_rails(&[c(0, total)], 3, 1, 0);
+        let b = rail_bytes(&parts);
+        assert_eq!(b.iter().map(|x| x.1).sum::<u64>(), total);
+        for (_, bytes) in &b {
+            assert!(bytes.abs_diff(total / 3) <= SPLIT_ALIGN, "{b:?}");
+        }
+        assert_eq!(parts[0].1[0].len % SPLIT_ALIGN, 0);
+        assert_eq!(parts[1].1[0].remote_offset % SPLIT_ALIGN, 0);
+    }
+
+    #[test]
+    fn plans_over_rails_group_each_part() {
+        let segs: Vec<Segment> = (0..8)
+            .map(|i| seg(1, i * 100_000, i * 100_000, 65_536))
+            .collect();
+        let p = plan_rails(&segs, 1 << 20, 2, (2, 64 << 10, 0));
+        assert_eq!(p.len(), 2);
+        for (rail, plan) in &p {
+            // 4 chunks per rail, 2 per call.
+            assert_eq!(plan.len(), 2, "rail {rail}");
+            assert!(plan.groups().all(|g| g.len() == 2 && g[0].region == 1));
+        }
+        // One rail: the plan of today.
+        assert_eq!(
+            plan_rails(&segs, 1 << 20, 2, (1, 64 << 10, 3)),
+            [(0, ReadPlan::new(&segs, 1 << 20, 2))]
+        );
+        assert!(plan_rails(&[], 1 << 20, 2, (2, 1, 0)).is_empty());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn rail_parts_cover_every_byte_once_in_order_and_balanced(
+            lens in proptest::collection::vec(1u64..300_000, 1..40),
+            rails in 1usize..6,
+            min_part in 1u64..200_000,
+            first in 0usize..10,
+        ) {
+            let mut chunks = Vec::new();
+            let mut off = 0;
+            for len in &lens {
+                chunks.push(c(off, *len));
+                off += len + 4096;
+            }
+            let total: u64 = lens.iter().sum();
+            let parts = split_rails(&chunks, rails, min_part, first);
+            let n = (total / min_part).clamp(1, rails as u64) as usize;
+            proptest::prop_assert!(parts.len() <= n);
+            // Distinct rails, taken in turn from `first`.
+            for (i, (r, _)) in parts.iter().enumerate() {
+                proptest::prop_assert!(*r < rails);
+                proptest::prop_assert!(parts[..i].iter().all(|(q, _)| q != r));
+            }
+            // Balanced: every part within SPLIT_ALIGN of total / n (each
+            // cut is within half of it of its ideal place).
+            if total / n as u64 > SPLIT_ALIGN + 1 {
+                proptest::prop_assert_eq!(parts.len(), n);
+            }
+            for (_, p) in &parts {
+                let b: u64 = p.iter().map(|c| c.len).sum();
+                proptest::prop_assert!(
+                    b.abs_diff(total / n as u64) <= SPLIT_ALIGN + 1,
+                    "part of {} bytes, {} parts, total {}", b, n, total
+                );
+            }
+            // In order, every byte exactly once: the parts' pieces, merged
+            // where one chunk was cut, are the chunks again.
+            let mut merged: Vec<Chunk> = Vec::new();
+            for (_, p) in &parts {
+                for piece in p {
+                    proptest::prop_assert!(piece.len > 0);
+                    proptest::prop_assert_eq!(piece.local_offset, piece.remote_offset + 7);
+                    match merged.last_mut() {
+                        Some(m) if m.remote_offset + m.len == piece.remote_offset => m.len += piece.len,
+                        _ => merged.push(*piece),
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(merged, chunks);
+        }
     }
 
     proptest::proptest! {

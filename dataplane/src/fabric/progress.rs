@@ -20,34 +20,41 @@ use super::state::{OpCtx, Shared};
 const DRIVE_DEFER: Duration = Duration::from_micros(100);
 
 impl Shared {
-    /// Polls the completion queue once: resolves what completed and posts
+    /// Polls every rail's completion queue once: resolves what completed and posts
     /// queued groups that now fit. Returns the completions read.
     pub(crate) fn reap(&self) -> usize {
         // Consecutive completions of one READ are accounted together (one
         // `pending` lock per run, not per operation); an error flushes.
         let mut run: Option<(u64, usize)> = None;
-        let n = self.ep.poll_cq_with(|(ctx, err)| {
-            if ctx.is_null() {
-                return;
-            }
-            // SAFETY: every context we post is a Box<OpCtx> leaked at post
-            // time, and its completion is read exactly once.
-            let op = unsafe { Box::from_raw(ctx as *mut OpCtx) };
-            self.outstanding.fetch_sub(1, Ordering::AcqRel);
-            match run {
-                Some((id, ref mut ops)) if id == op.read_id && err.is_none() => *ops += 1,
-                _ => {
-                    if let Some((id, ops)) = run.take() {
-                        self.finish_ops(id, ops, None);
-                    }
-                    if err.is_some() {
-                        self.finish_ops(op.read_id, 1, err);
-                    } else {
-                        run = Some((op.read_id, 1));
+        let mut n = 0;
+        for rail in &self.rails {
+            n += rail.ep.poll_cq_with(|(ctx, err)| {
+                if ctx.is_null() {
+                    return;
+                }
+                // SAFETY: every context we post is a Box<OpCtx> leaked at post
+                // time, and its completion is read exactly once.
+                let op = unsafe { Box::from_raw(ctx as *mut OpCtx) };
+                rail.outstanding.fetch_sub(1, Ordering::AcqRel);
+                self.outstanding.fetch_sub(1, Ordering::AcqRel);
+                if err.is_none() {
+                    rail.bytes.fetch_add(op.bytes, Ordering::Relaxed);
+                }
+                match run {
+                    Some((id, ref mut ops)) if id == op.read_id && err.is_none() => *ops += 1,
+                    _ => {
+                        if let Some((id, ops)) = run.take() {
+                            self.finish_ops(id, ops, None);
+                        }
+                        if err.is_some() {
+                            self.finish_ops(op.read_id, 1, err);
+                        } else {
+                            run = Some((op.read_id, 1));
+                        }
                     }
                 }
-            }
-        });
+            });
+        }
         if let Some((id, ops)) = run {
             self.finish_ops(id, ops, None);
         }
@@ -143,8 +150,9 @@ pub(crate) fn progress_loop(s: &Shared) {
         // memory are progressed as soon as they arrive. Without one: wait on
         // the waker (posting writes it), backing off from idle_sleep_us to
         // idle_sleep_max_us; serving-side progress happens on each wake-up.
-        if let Some(fd) = s.ep.wait_fd {
-            if s.ep.try_wait() {
+        // (One rail only: several rails would need every CQ's fd.)
+        if let Some(fd) = s.ep().wait_fd.filter(|_| s.rails.len() == 1) {
+            if s.ep().try_wait() {
                 let mut fds = [
                     libc::pollfd {
                         fd,

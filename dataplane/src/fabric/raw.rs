@@ -102,6 +102,7 @@ impl RawReader {
                         // SAFETY: fi_context2 is plain provider scratch space; all-zero is valid.
                         ctx: unsafe { std::mem::zeroed() },
                         read_id: next as u64,
+                        bytes: 0,
                     }));
                     loop {
                         // SAFETY: IOVs point into our registration; ctx reclaimed at completion.

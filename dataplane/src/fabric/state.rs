@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::config::FabricConfig;
+use super::config::{FabricConfig, Limits};
 use super::ffi::{Endpoint, Mr, sys};
 use super::plan::ReadPlan;
 use crate::backend::{Completion, PeerSlot, RemoteRegion};
@@ -21,6 +21,9 @@ pub(crate) struct OpCtx {
     pub(crate) ctx: sys::fi_context2,
     /// The READ this operation belongs to.
     pub(crate) read_id: u64,
+    /// Payload bytes of this operation (counted on its rail when it
+    /// completes successfully).
+    pub(crate) bytes: u64,
 }
 
 /// A READ whose operations are not all finished.
@@ -38,9 +41,11 @@ pub(crate) struct Pending {
 pub(crate) struct Queued {
     /// The peer it reads from.
     pub(crate) slot: PeerSlot,
+    /// The rail its groups are posted on (index into [`Shared::rails`]).
+    pub(crate) rail: usize,
     /// The READ its groups belong to.
     pub(crate) read_id: u64,
-    /// Its `fi_readmsg` calls.
+    /// Its `fi_readmsg` calls on `rail` (the READ's part on that rail).
     pub(crate) plan: ReadPlan,
     /// The first group not posted yet.
     pub(crate) next: usize,
@@ -62,31 +67,51 @@ pub(crate) struct Backlog {
 // the backlog; nothing else aliases them.
 unsafe impl Send for Backlog {}
 
-/// A peer inserted into the AV.
-pub(crate) struct PeerEntry {
-    /// Its AV address.
+/// What one local rail reads of a peer: the peer's rail it pairs with.
+pub(crate) struct PeerRail {
+    /// The peer rail's address in this rail's AV.
     pub(crate) fi_addr: u64,
-    /// Its registered regions, in layout order.
+    /// The peer's regions as registered on that rail, in layout order.
     pub(crate) regions: Vec<RemoteRegion>,
+}
+
+/// A peer inserted into the AVs.
+pub(crate) struct PeerEntry {
+    /// By local rail: local rail `k` reads the peer's rail `k mod n`.
+    pub(crate) rails: Vec<PeerRail>,
     /// Set when the peer is being removed: a READ retrying `-FI_EAGAIN` on
     /// it (a dead connection never drains) gives up instead of holding the
     /// peer table for the whole retry window.
     pub(crate) gone: AtomicBool,
 }
 
-/// State shared by the backend handle and its progress thread.
-pub(crate) struct Shared {
+/// One rail: an endpoint and every region registered on its domain.
+pub(crate) struct Rail {
     // Field order is drop order: registrations close before the endpoint.
     pub(crate) mrs: Vec<Mr>,
     pub(crate) ep: Endpoint,
+    /// Operations posted on this rail and not completed (at most
+    /// `tx_size`).
+    pub(crate) outstanding: AtomicUsize,
+    /// Payload bytes of this rail's successfully completed operations since
+    /// the backend started.
+    pub(crate) bytes: AtomicU64,
+}
+
+/// State shared by the backend handle and its progress thread.
+pub(crate) struct Shared {
+    /// The endpoints, first rail first (one when no rails are configured).
+    pub(crate) rails: Vec<Rail>,
+    /// Limits in force for planning: the smallest of every rail's.
+    pub(crate) limits: Limits,
     /// Peers by slot. READs are posted under the read lock, so a peer is
     /// never removed while one of its READs is being posted.
     pub(crate) peers: RwLock<Vec<Option<PeerEntry>>>,
-    /// AV entries of removed peers, handed to `fi_av_remove` only once no
+    /// (rail, AV entry) of removed peers, handed to `fi_av_remove` only once no
     /// operation is outstanding: removing an address under in-flight READs
     /// to it crashes inside tcp;ofi_rxm (seen on libfabric 1.17 when a peer
     /// agent exited while this one was probing it).
-    pub(crate) retired: Mutex<Vec<u64>>,
+    pub(crate) retired: Mutex<Vec<(usize, u64)>>,
     /// `retired` is not empty (checked by the progress loop without locking).
     pub(crate) retired_any: AtomicBool,
     pub(crate) pending: Mutex<HashMap<u64, Pending>>,
@@ -99,6 +124,7 @@ pub(crate) struct Shared {
     /// ns after `epoch` of the last caller-driven poll; 0 when no caller
     /// drives. The progress thread stays off the CQ while callers drive.
     pub(crate) last_drive_ns: AtomicU64,
+    /// Operations posted and not completed, every rail together.
     pub(crate) outstanding: AtomicUsize,
     pub(crate) next_read: AtomicU64,
     pub(crate) stop: AtomicBool,
@@ -111,6 +137,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The first rail's endpoint (provider name, error messages).
+    pub(crate) fn ep(&self) -> &Endpoint {
+        &self.rails[0].ep
+    }
+
     /// Accounts `ops` operations of READ `read_id` as finished (completed, or
     /// never posted), keeping the first error; resolves the READ when none
     /// remain.
@@ -145,8 +176,8 @@ impl Shared {
         // posted any more (its slot is gone), so `outstanding` reaching 0
         // means the retired addresses carry nothing in flight.
         if self.outstanding.load(Ordering::Acquire) == 0 {
-            for fi_addr in r.drain(..) {
-                self.ep.remove_peer(fi_addr);
+            for (rail, fi_addr) in r.drain(..) {
+                self.rails[rail].ep.remove_peer(fi_addr);
             }
             self.retired_any.store(false, Ordering::Release);
         }

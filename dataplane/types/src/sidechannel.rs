@@ -41,6 +41,18 @@ pub struct RemoteRegion {
     pub device_id: u64,
 }
 
+/// One rail of a multi-rail libfabric engine: its endpoint and its own
+/// registrations of the engine's regions (each rail is a domain of its own,
+/// with its own memory keys).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RailEndpoint {
+    /// Endpoint address (`fi_getname`), inserted into the reader's AV.
+    pub address: Vec<u8>,
+    /// The regions as registered on this rail's domain, in layout order.
+    pub regions: Vec<RemoteRegion>,
+}
+
 /// Backend description sent at handshake, versioned with the side channel.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -53,6 +65,12 @@ pub enum BackendMetadata {
         address: Vec<u8>,
         /// Registered regions, in layout order.
         regions: Vec<RemoteRegion>,
+        /// Rails after the first (whose endpoint is `address` and whose
+        /// registrations are `regions`), in rail order: one endpoint per NIC
+        /// (`FabricConfig::rails`). Absent (empty) for a single-rail engine,
+        /// which keeps its metadata byte-identical to engines without rails.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        rails: Vec<RailEndpoint>,
     },
     /// NIXL agent.
     Nixl {
@@ -72,6 +90,26 @@ impl BackendMetadata {
     pub fn regions(&self) -> &[RemoteRegion] {
         match self {
             Self::Libfabric { regions, .. } | Self::Nixl { regions, .. } => regions,
+        }
+    }
+
+    /// Every rail of a libfabric engine, first rail first, as (endpoint
+    /// address, regions); empty for NIXL.
+    pub fn fabric_rails(&self) -> Vec<(&[u8], &[RemoteRegion])> {
+        match self {
+            Self::Libfabric {
+                address,
+                regions,
+                rails,
+                ..
+            } => std::iter::once((address.as_slice(), regions.as_slice()))
+                .chain(
+                    rails
+                        .iter()
+                        .map(|r| (r.address.as_slice(), r.regions.as_slice())),
+                )
+                .collect(),
+            Self::Nixl { .. } => Vec::new(),
         }
     }
 
@@ -176,6 +214,47 @@ pub fn decode_message(body: &[u8], peer: &str) -> Result<Message> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fabric(rails: Vec<RailEndpoint>) -> BackendMetadata {
+        BackendMetadata::Libfabric {
+            provider: "tcp;ofi_rxm".into(),
+            address: vec![1, 2],
+            regions: vec![RemoteRegion {
+                base_addr: 0,
+                key: 1,
+                len_bytes: 4096,
+                device_id: 0,
+            }],
+            rails,
+        }
+    }
+
+    #[test]
+    fn single_rail_metadata_keeps_the_old_wire_format() {
+        // What an engine without rails sent before rails existed decodes as
+        // one rail, and a single-rail engine sends exactly that.
+        let old = r#"{"type":"libfabric","provider":"tcp;ofi_rxm","address":[1,2],"regions":[{"base_addr":0,"key":1,"len_bytes":4096,"device_id":0}]}"#;
+        let md: BackendMetadata = serde_json::from_str(old).unwrap();
+        assert_eq!(md, fabric(Vec::new()));
+        assert_eq!(serde_json::to_string(&md).unwrap(), old);
+        assert_eq!(md.fabric_rails().len(), 1);
+        // Two rails: the second one's address and keys travel in `rails`.
+        let two = fabric(vec![RailEndpoint {
+            address: vec![3],
+            regions: vec![RemoteRegion {
+                base_addr: 0,
+                key: 9,
+                len_bytes: 4096,
+                device_id: 0,
+            }],
+        }]);
+        let back: BackendMetadata =
+            serde_json::from_str(&serde_json::to_string(&two).unwrap()).unwrap();
+        assert_eq!(back, two);
+        let r = back.fabric_rails();
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[1].0, r[1].1[0].key), (&[3u8][..], 9));
+    }
 
     #[test]
     fn frames_decode_without_io() {

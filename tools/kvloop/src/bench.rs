@@ -69,6 +69,28 @@ pub struct BenchReadArgs {
     /// Print one JSON object per row instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure rails instead: READs over 1, 2, 4 … up to N libfabric rails
+    /// (endpoints) on the first `--provider`, printed as rails | GB/s | ×
+    /// one rail. With `--netns`, one veth pair per rail, each limited to
+    /// `--rail-rate`; otherwise loopback addresses 127.0.0.1 … (no limit).
+    #[arg(long)]
+    pub rails: Option<usize>,
+    /// `--rails --netns`: each rail's link rate (tc syntax), on the
+    /// target's egress.
+    #[arg(long, default_value = "400mbit")]
+    pub rail_rate: String,
+    /// `--rails`: block size, bytes (suffixes K, M).
+    #[arg(long, default_value = "256K")]
+    pub rail_block: String,
+    /// `--rails`: blocks per READ.
+    #[arg(long, default_value_t = 16)]
+    pub rail_blocks_per_read: usize,
+    /// `--rails`: READs in flight.
+    #[arg(long, default_value_t = 4)]
+    pub rail_outstanding: usize,
+    /// `--rails`: time per row, ms.
+    #[arg(long, default_value_t = 3000)]
+    pub rail_ms: u64,
     #[arg(long, hide = true)]
     pub netns_inner: Option<String>,
 }
@@ -168,7 +190,7 @@ pub fn parse_layout(s: &str) -> Result<(u32, u64)> {
     Ok((layers * kv, parse_size(bytes)?))
 }
 
-fn pct(sorted: &[Duration], p: f64) -> f64 {
+pub(crate) fn pct(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -176,12 +198,15 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6
 }
 
-fn exe() -> Result<PathBuf> {
+pub(crate) fn exe() -> Result<PathBuf> {
     std::env::current_exe().context("locating the kvloop binary")
 }
 
 /// Entry point.
 pub async fn run(args: BenchReadArgs) -> Result<()> {
+    if let Some(n) = args.rails {
+        return crate::bench_rails::run(args, n).await;
+    }
     if args.netns && args.netns_inner.is_none() {
         // Re-run this command inside node A's namespace; the target goes to B.
         let tag = std::process::id() % 10_000;
@@ -288,6 +313,7 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                 fill_tag: 0,
                 read_timeout_ms: 30_000,
                 busy_poll: false,
+                rails: Vec::new(),
             };
             let child_args = eargs.child_args("bench-target", &format!("{addr_b}:0"), 7);
             let mut cmd = match &ns_b {
@@ -481,7 +507,7 @@ fn process_cpu() -> Duration {
 }
 
 /// Runs READs with `outstanding` in flight until `max_reads` or `budget`.
-async fn kv_run(
+pub(crate) async fn kv_run(
     engine: &TransferEngine,
     pairs: &[BlockPair],
     outstanding: usize,

@@ -90,6 +90,7 @@ pub fn run(a: DemoDataplaneArgs) -> Result<()> {
             block_size_tokens: 16,
             fill_tag: 0,
             busy_poll: false,
+            rails: Vec::new(),
             read_timeout_ms: 5000,
         };
         let args = |id: &str, ip: &str, tag: u64| -> Vec<String> {

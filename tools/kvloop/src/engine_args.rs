@@ -54,6 +54,11 @@ pub struct EngineArgs {
     /// libfabric: poll the completion queue continuously (one busy core).
     #[arg(long)]
     pub busy_poll: bool,
+    /// libfabric rails: one endpoint per source address (comma-separated;
+    /// an empty entry leaves the source to the provider, e.g. `shm`). A
+    /// READ's bytes are spread across them. Default: one endpoint.
+    #[arg(long, value_delimiter = ',')]
+    pub rails: Vec<String>,
     /// Default READ timeout, ms.
     #[arg(long, default_value_t = 5000)]
     pub read_timeout_ms: u64,
@@ -76,6 +81,7 @@ impl EngineArgs {
             BackendArg::Libfabric => BackendConfig::Libfabric(FabricConfig {
                 provider: self.provider.clone(),
                 busy_poll: self.busy_poll,
+                rails: self.rails.clone(),
                 ..Default::default()
             }),
             BackendArg::Nixl => BackendConfig::Nixl(NixlConfig {
@@ -153,6 +159,22 @@ impl EngineArgs {
             self.read_timeout_ms.to_string(),
         ])
         .collect()
+    }
+
+    /// [`EngineArgs::child_args`] for a child with its own rails (`--rails`;
+    /// none: one endpoint).
+    pub fn child_args_with_rails(
+        &self,
+        engine_id: &str,
+        listen: &str,
+        fill_tag: u64,
+        rails: &[String],
+    ) -> Vec<String> {
+        let mut v = self.child_args(engine_id, listen, fill_tag);
+        if !rails.is_empty() {
+            v.push(format!("--rails={}", rails.join(",")));
+        }
+        v
     }
 }
 

@@ -1,5 +1,6 @@
 //! `kvloop`: operator and debugging CLI.
 mod bench;
+mod bench_rails;
 mod demo;
 mod demo_dataplane;
 mod explain;

@@ -120,6 +120,7 @@ fn engine_args(a: &PingArgs, layout: &KvLayout, listen: SocketAddr) -> EngineArg
         block_size_tokens: layout.block_size_tokens,
         fill_tag: 0,
         busy_poll: false,
+        rails: Vec::new(),
         read_timeout_ms: a.timeout_ms,
     }
 }
