@@ -42,7 +42,7 @@ build: bootstrap
 # end-to-end tests start them as processes.
 test: bootstrap
 	cargo build --workspace --all-targets
-	CARGO_TARGET_DIR=target/cuda-check cargo check -p kvloop-dataplane --features cuda --tests
+	CARGO_TARGET_DIR=target/cuda-check cargo check -p kvloop-dataplane -p kvloop-agent --features kvloop-dataplane/cuda,kvloop-agent/cuda --tests
 	tests/run.sh
 
 demo: build

@@ -1,32 +1,66 @@
-//! CUDA IPC handle registration (GPU KV memory of an engine).
+//! CUDA IPC handle registration (GPU KV memory of an engine, managed mode).
 //!
-//! Status: refused, on purpose. The dataplane can register device memory
-//! (`kvloop_dataplane::region::KvRegion::Cuda` through
-//! `TransferEngine::start_with_regions`, feature `cuda`), but its
-//! `CudaRegion` is built only by `CudaRegion::new`, which *allocates* its own
-//! buffer; it has no constructor that wraps a device pointer opened elsewhere
-//! (here: the engine's memory opened with `cuIpcOpenMemHandle`) and keeps the
-//! IPC mapping and its context alive. Registering the opened pointer needs
-//! such a constructor in `kvloop-dataplane` (owner: the dataplane), e.g.
-//! `CudaRegion::from_ipc(device, ptr, len, close_on_drop)`; until then
-//! [`crate::proto::RegionSource::CudaIpc`] is refused with
-//! [`unsupported_message`] and engines register host memory (memfd). With
-//! feature `cuda`, [`open_ipc_handle`] opens a handle with cudarc (driver
-//! loaded at run time); it is exercised only where a GPU exists (none on the
-//! build machines).
+//! An engine registers its GPU KV regions as CUDA IPC handles
+//! ([`kvloop_agent_api::proto::RegionSource::CudaIpc`]); with feature
+//! `cuda`, [`open_regions`] opens each with cudarc
+//! (`kvloop_dataplane::region::CudaRegion::from_ipc`, driver loaded at run
+//! time) and the transfer engine registers them as device memory
+//! (libfabric `FI_HMEM_CUDA` with the device ordinal, NIXL `VRAM`); READs go
+//! into and out of them like host regions. Without the feature the
+//! registration is refused with [`unsupported_message`]. Exercised only
+//! where a GPU exists (`agent/tests/cuda.rs`, `gpu_*`).
+use kvloop_agent_api::proto::CudaIpcRegion;
+use kvloop_dataplane::region::KvRegion;
 
-/// Why a CUDA IPC registration is refused.
+/// Why a CUDA IPC registration is refused in a build without feature `cuda`.
 pub fn unsupported_message() -> String {
-    if cfg!(feature = "cuda") {
-        "regions: cuda_ipc registration needs a dataplane CudaRegion that wraps an IPC-opened \
-         device pointer (kvloop-dataplane's CudaRegion only allocates its own memory); register \
-         host memory with kind = \"memfd\""
-            .into()
-    } else {
-        "regions: cuda_ipc needs kvloop-agent built with feature `cuda` (and a GPU); register \
-         host memory with kind = \"memfd\""
-            .into()
+    "regions: cuda_ipc needs kvloop-agent built with feature `cuda` (and a GPU); register \
+     host memory with kind = \"memfd\""
+        .into()
+}
+
+/// Opens an engine's GPU regions from their IPC handles, one per layout
+/// region (`num_regions`), in layout order.
+///
+/// # Errors
+/// A message naming the bad field: `regions.regions` (count),
+/// `regions.regions[i].handle_hex`, or the driver's refusal of region `i`;
+/// without feature `cuda`, [`unsupported_message`].
+pub fn open_regions(regions: &[CudaIpcRegion], num_regions: u32) -> Result<Vec<KvRegion>, String> {
+    if regions.len() != num_regions as usize {
+        return Err(format!(
+            "regions.regions: expected {num_regions} (layout.num_regions), got {}",
+            regions.len()
+        ));
     }
+    let mut handles = Vec::with_capacity(regions.len());
+    for (i, r) in regions.iter().enumerate() {
+        handles
+            .push(decode_handle(&r.handle_hex).map_err(|e| format!("regions.regions[{i}].{e}"))?);
+    }
+    open(regions, &handles)
+}
+
+#[cfg(feature = "cuda")]
+fn open(regions: &[CudaIpcRegion], handles: &[[u8; 64]]) -> Result<Vec<KvRegion>, String> {
+    use kvloop_dataplane::region::CudaRegion;
+    regions
+        .iter()
+        .zip(handles)
+        .enumerate()
+        .map(|(i, (r, h))| {
+            let len = usize::try_from(r.len_bytes)
+                .map_err(|_| format!("regions.regions[{i}].len_bytes: too large"))?;
+            CudaRegion::from_ipc(r.device, h, len)
+                .map(KvRegion::Cuda)
+                .map_err(|e| format!("regions.regions[{i}]: {e}"))
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open(_: &[CudaIpcRegion], _: &[[u8; 64]]) -> Result<Vec<KvRegion>, String> {
+    Err(unsupported_message())
 }
 
 /// Decodes a hex `cudaIpcMemHandle_t` (64 bytes).
@@ -48,39 +82,23 @@ pub fn decode_handle(hex: &str) -> Result<[u8; 64], String> {
     Ok(out)
 }
 
-/// Opens a CUDA IPC memory handle on `device`; returns the device pointer.
-///
-/// # Errors
-/// A message when no driver/device is present or the handle is refused.
-#[cfg(feature = "cuda")]
-pub fn open_ipc_handle(device: i32, handle: [u8; 64]) -> Result<u64, String> {
-    use cudarc::driver::sys;
-    let ctx = cudarc::driver::CudaContext::new(device as usize)
-        .map_err(|e| format!("device {device}: {e}"))?;
-    ctx.bind_to_thread()
-        .map_err(|e| format!("device {device}: {e}"))?;
-    // SAFETY: CUipcMemHandle is a plain C struct of bytes; all zeroes is valid.
-    let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    for (d, s) in h.reserved.iter_mut().zip(handle.iter()) {
-        *d = *s as _;
-    }
-    let mut ptr: sys::CUdeviceptr = 0;
-    // SAFETY: FFI call with a valid out-pointer and an initialized handle.
-    let r = unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut ptr,
-            h,
-            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("cuIpcOpenMemHandle: {r:?}"));
-    }
-    Ok(ptr as u64)
-}
-
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn region_count_and_handles_are_checked_first() {
+        let r = |hex: &str| kvloop_agent_api::proto::CudaIpcRegion {
+            device: 0,
+            handle_hex: hex.into(),
+            len_bytes: 4096,
+        };
+        let e = super::open_regions(&[r(&"ab".repeat(64))], 2)
+            .err()
+            .unwrap();
+        assert!(e.starts_with("regions.regions: expected 2"), "{e}");
+        let e = super::open_regions(&[r("zz")], 1).err().unwrap();
+        assert!(e.starts_with("regions.regions[0].handle_hex"), "{e}");
+    }
+
     #[test]
     fn handle_hex_is_checked() {
         let ok = "ab".repeat(64);

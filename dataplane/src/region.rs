@@ -10,15 +10,32 @@ pub use kvloop_kv_types::region::*;
 #[cfg(feature = "cuda")]
 use crate::error::{DataplaneError, Result};
 
-/// CUDA device memory region (feature `cuda`). The driver library is loaded at
-/// run time by cudarc, so this compiles everywhere and fails at
-/// [`CudaRegion::new`] with a clear error where no GPU/driver exists.
+/// CUDA device memory region (feature `cuda`): a buffer this process
+/// allocated ([`CudaRegion::new`]) or an engine's memory opened from its
+/// CUDA IPC handle ([`CudaRegion::from_ipc`], managed mode: the agent
+/// registers and READs the engine's own GPU KV). The driver library is
+/// loaded at run time by cudarc, so this compiles everywhere and fails with
+/// a clear error where no GPU/driver exists.
 #[cfg(feature = "cuda")]
 pub struct CudaRegion {
-    _ctx: std::sync::Arc<cudarc::driver::CudaContext>,
-    buf: cudarc::driver::CudaSlice<u8>,
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    /// The allocation (`None`: an IPC mapping, closed on drop).
+    buf: Option<cudarc::driver::CudaSlice<u8>>,
     device: i32,
     ptr: u64,
+    len: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn device_context(device: i32) -> Result<std::sync::Arc<cudarc::driver::CudaContext>> {
+    let ordinal = usize::try_from(device).map_err(|_| DataplaneError::Config {
+        field: "device",
+        expected: format!("a CUDA device ordinal ≥ 0, got {device}"),
+    })?;
+    cudarc::driver::CudaContext::new(ordinal).map_err(|e| DataplaneError::Config {
+        field: "device",
+        expected: format!("a usable CUDA device ordinal ({e})"),
+    })
 }
 
 #[cfg(feature = "cuda")]
@@ -30,12 +47,7 @@ impl CudaRegion {
     /// is available.
     pub fn new(device: i32, len_bytes: usize) -> Result<Self> {
         use cudarc::driver::DevicePtr;
-        let ctx = cudarc::driver::CudaContext::new(device as usize).map_err(|e| {
-            DataplaneError::Config {
-                field: "device",
-                expected: format!("a usable CUDA device ordinal ({e})"),
-            }
-        })?;
+        let ctx = device_context(device)?;
         let stream = ctx.default_stream();
         let buf = stream
             .alloc_zeros::<u8>(len_bytes)
@@ -47,31 +59,102 @@ impl CudaRegion {
         let ptr = ptr as u64;
         drop(_sync);
         Ok(Self {
-            _ctx: ctx,
-            buf,
+            ctx,
+            buf: Some(buf),
             device,
             ptr,
+            len: len_bytes,
         })
     }
 
-    /// Device address of the allocation.
+    /// Opens another process's device memory from its CUDA IPC handle
+    /// (`cudaIpcMemHandle_t`, 64 bytes: what an engine's
+    /// `cudaIpcGetMemHandle` gives) on `device`, `len_bytes` long from the
+    /// handle's base (`cuIpcOpenMemHandle`, lazy peer access). The mapping
+    /// is closed (`cuIpcCloseMemHandle`) when the region drops; the owner
+    /// must keep its allocation alive until then. A process cannot open a
+    /// handle it exported itself (CUDA's rule).
+    ///
+    /// # Errors
+    /// [`DataplaneError::Config`] naming `device` (no driver or device) or
+    /// `handle` (the driver refused it).
+    pub fn from_ipc(device: i32, handle: &[u8; 64], len_bytes: usize) -> Result<Self> {
+        use cudarc::driver::sys;
+        let ctx = device_context(device)?;
+        ctx.bind_to_thread().map_err(|e| DataplaneError::Config {
+            field: "device",
+            expected: format!("a usable CUDA device ordinal ({e})"),
+        })?;
+        // SAFETY: CUipcMemHandle is a plain C struct of bytes; all zeroes
+        // is a valid value, overwritten below.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, s) in h.reserved.iter_mut().zip(handle.iter()) {
+            *d = *s as _;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: a valid out-pointer, an initialized handle, and the
+        // device's context bound to this thread.
+        let r = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(DataplaneError::Config {
+                field: "handle",
+                expected: format!("a CUDA IPC handle this process may open ({r:?})"),
+            });
+        }
+        Ok(Self {
+            ctx,
+            buf: None,
+            device,
+            ptr: ptr as u64,
+            len: len_bytes,
+        })
+    }
+
+    /// Device address of the region.
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.buf.len()
+        self.len
     }
 
-    /// Whether the buffer is empty.
+    /// Whether the region is empty.
     pub fn is_empty(&self) -> bool {
-        self.buf.len() == 0
+        self.len == 0
     }
 
     /// CUDA device ordinal.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// Opened from an IPC handle (else allocated here).
+    pub fn is_ipc(&self) -> bool {
+        self.buf.is_none()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for CudaRegion {
+    fn drop(&mut self) {
+        if self.buf.is_none() && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and
+            // is closed once; the backends deregistered it before the
+            // engine drops its regions.
+            let _ = unsafe {
+                cudarc::driver::sys::cuIpcCloseMemHandle(
+                    self.ptr as cudarc::driver::sys::CUdeviceptr,
+                )
+            };
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! engine each), unregistration, owner notifications and the per-engine
 //! event queues the engines poll.
 use super::*;
+use kvloop_dataplane::region::KvRegion;
 
 impl Agent {
     /// Registers an engine: maps its memfds and starts its transfer engine.
@@ -34,7 +35,7 @@ impl Agent {
         self.cfg
             .check_side_channel_reachable()
             .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("side channel: {e}")))?;
-        let host = match regions {
+        let kv_regions: Vec<KvRegion> = match regions {
             RegionSource::Memfd { len_bytes } => {
                 if fds.len() != layout.num_regions as usize || len_bytes.len() != fds.len() {
                     return Err(ApiError::new(
@@ -55,15 +56,13 @@ impl Agent {
                             format!("regions.len_bytes[{i}]: {e}"),
                         )
                     })?;
-                    v.push(r);
+                    v.push(KvRegion::from(r));
                 }
                 v
             }
-            RegionSource::CudaIpc { .. } => {
-                return Err(ApiError::new(
-                    ErrorKind::BadRequest,
-                    crate::cuda::unsupported_message(),
-                ));
+            RegionSource::CudaIpc { regions } => {
+                crate::cuda::open_regions(&regions, layout.num_regions)
+                    .map_err(|e| ApiError::new(ErrorKind::BadRequest, e))?
             }
         };
         let ecfg = EngineConfig {
@@ -76,7 +75,7 @@ impl Agent {
         };
         // Replace an earlier registration first (it may hold the port).
         self.unregister(&engine_id);
-        let engine = TransferEngine::start(ecfg, host)
+        let engine = TransferEngine::start_with_regions(ecfg, kv_regions)
             .await
             .map_err(|e| dataplane_error(&e))?;
         let addr = engine.side_channel_addr();
