@@ -20,7 +20,10 @@
 //! (`KVLOOP_BENCH_PIN=0` shares every CPU).
 //!
 //! `cargo bench -p kvloop-router --bench chat_bench` (`KVLOOP_BENCH_QUICK=1`:
-//! 4 s per row instead of 15; `KVLOOP_BENCH_RATE`: requests/s, default 400).
+//! 4 s per row instead of 15; `KVLOOP_BENCH_RATE`: requests/s, default 400;
+//! `KVLOOP_BENCH_BASELINE_ROUTER=<path>`: another `kvloop-router` binary,
+//! e.g. one built from an earlier commit, measured in the same run before
+//! each router row, as path `baseline`).
 use std::collections::VecDeque;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -337,13 +340,21 @@ fn main() {
             d.side_channel_addr.port()
         )
     };
-    let mut rows: Vec<(&str, String, &str)> = vec![
-        ("direct", "-".into(), "-"),
-        ("router", "memory".into(), "tokens"),
-    ];
+    let mut routed: Vec<(String, &str)> = vec![("memory".into(), "tokens")];
     if let Some(port) = redis.as_ref().map(kvloop_tests::RedisServer::port) {
-        rows.push(("router", format!("redis://127.0.0.1:{port}/0"), "tokens"));
-        rows.push(("router", format!("redis://127.0.0.1:{port}/0"), "history"));
+        routed.push((format!("redis://127.0.0.1:{port}/0"), "tokens"));
+        routed.push((format!("redis://127.0.0.1:{port}/0"), "history"));
+    }
+    let baseline_bin = std::env::var("KVLOOP_BENCH_BASELINE_ROUTER").ok();
+    if let Some(b) = &baseline_bin {
+        println!("(baseline rows: {b})");
+    }
+    let mut rows: Vec<(&str, String, &str)> = vec![("direct", "-".into(), "-")];
+    for (store, check) in routed {
+        if baseline_bin.is_some() {
+            rows.push(("baseline", store.clone(), check));
+        }
+        rows.push(("router", store, check));
     }
     println!(
         "\n## Routing path at {rate:.0} req/s: {CONVERSATIONS} multi-turn chat conversations (bodies 4–8 kB, {ANSWER_TOKENS}-token streams), {secs:.0} s per row"
@@ -365,10 +376,13 @@ fn main() {
     let tmp = std::env::temp_dir().join(format!("kvloop-chat-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     for (path, store, check) in &rows {
-        let (url, child) = if *path == "router" {
+        let (url, child) = if *path != "direct" {
             let cfg = tmp.join(format!("router-{check}-{}.toml", store.len()));
             std::fs::write(&cfg, router_toml(store, check)).unwrap();
-            let bin = env!("CARGO_BIN_EXE_kvloop-router");
+            let bin = match (*path, &baseline_bin) {
+                ("baseline", Some(b)) => b.as_str(),
+                _ => env!("CARGO_BIN_EXE_kvloop-router"),
+            };
             let mut c = match router_cpu {
                 Some(cpu) => {
                     let mut c = Command::new("taskset");
@@ -389,7 +403,7 @@ fn main() {
         };
         // Warm up (connections, allocations), then measure.
         let (pu, du) = (p.url(), d.url());
-        let kind = if *path == "router" {
+        let kind = if *path != "direct" {
             Path::Router
         } else {
             Path::Direct
