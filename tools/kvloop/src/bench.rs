@@ -3,6 +3,8 @@
 //! the same descriptor lists (no kvloop layers): raw libfabric on the same
 //! provider, raw NIXL on the same plugin; and (b) `memcpy` of the same bytes. The serving engine is a second process (in a
 //! second network namespace with `--netns`).
+mod rails;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -205,7 +207,7 @@ pub(crate) fn exe() -> Result<PathBuf> {
 /// Entry point.
 pub async fn run(args: BenchReadArgs) -> Result<()> {
     if let Some(n) = args.rails {
-        return crate::bench_rails::run(args, n).await;
+        return rails::run(args, n).await;
     }
     if args.netns && args.netns_inner.is_none() {
         // Re-run this command inside node A's namespace; the target goes to B.

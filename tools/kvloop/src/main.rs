@@ -1,6 +1,5 @@
 //! `kvloop`: operator and debugging CLI.
 mod bench;
-mod bench_rails;
 mod demo;
 mod demo_dataplane;
 mod explain;

@@ -15,7 +15,7 @@ use kvloop_cli::netns::NodePair;
 use kvloop_dataplane::BlockPair;
 use serde::Serialize;
 
-use crate::bench::{BenchReadArgs, exe, kv_run, parse_size, pct};
+use super::{BenchReadArgs, exe, kv_run, parse_size, pct};
 
 /// One row of the rails table.
 #[derive(Debug, Serialize)]
