@@ -117,6 +117,12 @@ pub struct RouterConfig {
     pub health_timeout_ms: u64,
     /// Connect timeout to engines, ms [2000].
     pub connect_timeout_ms: u64,
+    /// Pooled connections to engines idle longer than this are closed, not
+    /// reused, ms: vLLM's API server closes keep-alive connections after 5 s
+    /// idle (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, uvicorn's `timeout_keep_alive`),
+    /// and a busy engine may close one just as a request arrives on it (the
+    /// request fails with the connection closed) [4000].
+    pub upstream_idle_timeout_ms: u64,
     /// Timeout of a prefill request (headers and body), ms [600000].
     pub prefill_timeout_ms: u64,
     /// Timeout until a decode engine's response headers, ms [600000].
@@ -185,6 +191,7 @@ impl Default for RouterConfig {
             health_interval_ms: 2_000,
             health_timeout_ms: 1_000,
             connect_timeout_ms: 2_000,
+            upstream_idle_timeout_ms: 4_000,
             prefill_timeout_ms: 600_000,
             decode_timeout_ms: 600_000,
             max_body_bytes: 64 << 20,

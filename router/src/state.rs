@@ -104,6 +104,7 @@ impl AppState {
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
             .pool_max_idle_per_host(1024)
+            .pool_idle_timeout(Duration::from_millis(cfg.upstream_idle_timeout_ms))
             .build()?;
         let metrics = Metrics::new();
         for e in registry.engines() {

@@ -96,7 +96,7 @@ impl UpstreamError {
         } else {
             Failure::Transport
         };
-        Self::new(stage, engine, failure, e.to_string())
+        Self::new(stage, engine, failure, error_chain(e))
     }
 
     /// The engine's HTTP status, when it answered with an error status.
@@ -160,6 +160,23 @@ fn reported_reused(obj: &RawObject) -> Option<u64> {
             .get("cached_tokens")?
             .as_u64()
     })
+}
+
+/// `e` and its sources, `: `-joined (reqwest's own text omits the cause:
+/// "error sending request for url (…)" says nothing of a reset or a
+/// connect timeout).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
 }
 
 /// `r` when its status is a success, else an [`UpstreamError`] at `st` with
@@ -330,6 +347,29 @@ mod tests {
             502
         );
         assert_eq!(e(Failure::Body).to_string(), "prefill engine p0: x");
+    }
+
+    #[test]
+    fn transport_errors_name_their_cause() {
+        #[derive(Debug)]
+        struct Sending(std::io::Error);
+        impl std::fmt::Display for Sending {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("error sending request")
+            }
+        }
+        impl std::error::Error for Sending {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Sending(std::io::Error::other(
+            "connection closed before message completed",
+        ));
+        assert_eq!(
+            error_chain(&e),
+            "error sending request: connection closed before message completed"
+        );
     }
 
     #[test]

@@ -51,17 +51,8 @@ async fn start_d(break_after: Option<usize>) -> (String, tokio::sync::oneshot::S
             .body(body)
             .unwrap()
     });
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = axum::serve(l, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
-    });
-    (url, tx)
+    let (addr, stop) = serve(app).await;
+    (format!("http://{addr}"), stop)
 }
 
 async fn router(d_url: &str, p: &MockEngine) -> kvloop_router::RunningRouter {

@@ -55,6 +55,21 @@ async fn handle(State(s): State<Shared>, uri: Uri, body: Bytes) -> Response {
         .unwrap()
 }
 
+/// Serves `app` on 127.0.0.1 (a free port) until the sender drops.
+pub async fn serve(app: Router) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(l, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await;
+    });
+    (addr, tx)
+}
+
 impl MockEngine {
     pub async fn start(script: Script) -> MockEngine {
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -62,16 +77,7 @@ impl MockEngine {
             script,
             seen: seen.clone(),
         });
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(l, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.await;
-                })
-                .await;
-        });
+        let (addr, tx) = serve(app).await;
         MockEngine {
             addr,
             seen,
