@@ -166,10 +166,11 @@ pub struct RouterConfig {
     /// and docs/operator-guide.md, "Decode-side retention" [adaptive].
     pub retention: kvloop_retention::RetentionConfig,
     /// Worker threads of the router's runtime: one event loop serves every
-    /// request without waking other threads (`chat_bench`, 2 cores, 400
-    /// req/s: router CPU per request 1 worker ≈ 110 µs, 2 workers ≈ 180
-    /// µs); one worker carries a few thousand requests per second, so scale
-    /// with replicas, or raise this past that [1].
+    /// request without waking other threads (`chat_bench`, 2 shared cores,
+    /// 400 req/s, same run: router CPU per request 180–210 µs with 1
+    /// worker, 220–310 µs with 2); one worker carries a few thousand
+    /// requests per second, so scale with replicas, or raise this past that
+    /// [1].
     pub worker_threads: usize,
     /// Registered engines [none].
     pub engines: Vec<EngineConfig>,
