@@ -7,13 +7,12 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvloop_common::Direction;
 use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::*;
 use kvloop_tests::{NodePair, require_root};
 
 mod support;
-use support::pattern;
+use support::{pattern, read_request};
 
 const BLOCKS: u32 = 16;
 const BLOCK_LEN: u64 = 256 * 1024;
@@ -40,19 +39,6 @@ fn holds(e: &TransferEngine, local: u64, tag: u8, remote: u64) -> bool {
         e.region(r).read_at((local * BLOCK_LEN) as usize, &mut got);
         got == pattern(tag, r, remote, got.len())
     })
-}
-
-fn read_req(pairs: &[(u64, u64)]) -> ReadRequest {
-    ReadRequest {
-        peer_engine_id: "decode-0".into(),
-        blocks: pairs
-            .iter()
-            .map(|&(remote, local)| BlockPair { remote, local })
-            .collect(),
-        direction: Direction::DecodeToPrefill,
-        notify: None,
-        timeout_ms: Some(30_000),
-    }
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -92,7 +78,7 @@ fn dropped_read_future_quarantines_blocks_until_the_backend_completes() {
             // Remote 0..8 into local 0..8; dropped after 200 ms, mid-READ.
             let slow: Vec<(u64, u64)> = (0..8).map(|i| (i, i)).collect();
             let t0 = Instant::now();
-            let slow_req = read_req(&slow);
+            let slow_req = read_request("decode-0", &slow, 30_000);
             let cut = tokio::time::timeout(Duration::from_millis(200), p.read(&slow_req));
             assert!(
                 cut.await.is_err(),
@@ -105,7 +91,7 @@ fn dropped_read_future_quarantines_blocks_until_the_backend_completes() {
             );
             // A new READ into those blocks (other remote blocks) is refused.
             let again: Vec<(u64, u64)> = (0..8).map(|i| (i + 8, i)).collect();
-            match p.read(&read_req(&again)).await {
+            match p.read(&read_request("decode-0", &again, 30_000)).await {
                 Err(DataplaneError::BlockQuarantined { block_id }) => assert!(block_id < 8),
                 other => panic!("READ into quarantined blocks must be refused, got {other:?}"),
             }
@@ -124,7 +110,9 @@ fn dropped_read_future_quarantines_blocks_until_the_backend_completes() {
                 );
             }
             // Handed out again: the new READ lands and nothing overwrites it.
-            p.read(&read_req(&again)).await.unwrap();
+            p.read(&read_request("decode-0", &again, 30_000))
+                .await
+                .unwrap();
             tokio::time::sleep(Duration::from_millis(200)).await;
             for b in 0..8 {
                 assert!(holds(&p, b, 2, b + 8), "block {b} after the second READ");

@@ -20,24 +20,10 @@ fn layout(num_blocks: u32, block_len: u64) -> KvLayout {
     }
 }
 
-use support::pattern;
+use support::{check_block, wait_for_peer};
 
 async fn engine(id: &str, backend: BackendConfig, l: KvLayout, tag: u8) -> TransferEngine {
     support::filled_engine(id, "127.0.0.1:0".parse().unwrap(), backend, l, 5000, tag).await
-}
-
-fn check_block(e: &TransferEngine, local: u64, src_tag: u8, remote: u64) {
-    let l = e.layout();
-    for r in 0..l.num_regions as usize {
-        let mut got = vec![0u8; l.block_len_bytes as usize];
-        e.region(r)
-            .read_at((local * l.block_len_bytes) as usize, &mut got);
-        assert_eq!(
-            got,
-            pattern(src_tag, r, remote, got.len()),
-            "region {r} local block {local}"
-        );
-    }
 }
 
 async fn both_directions(backend: BackendConfig) {
@@ -47,12 +33,7 @@ async fn both_directions(backend: BackendConfig) {
     let md = p.connect(d.side_channel_addr()).await.unwrap();
     assert_eq!(md.engine_id, "decode-0");
     // D's side learns P from the same handshake.
-    for _ in 0..100 {
-        if !d.peers().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_peer(&d).await;
     let mut notifs = d.subscribe_notifications();
     // D→P: prefill reads decode's retained blocks 3,4,5,9 into its 10..14.
     let pairs: Vec<BlockPair> = [(3, 10), (4, 11), (5, 12), (9, 20)]

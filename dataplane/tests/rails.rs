@@ -4,13 +4,12 @@
 //! with different rail counts (or none) read each other.
 use std::time::Duration;
 
-use kvloop_common::Direction;
 use kvloop_dataplane::fabric::FabricConfig;
 use kvloop_dataplane::*;
 
 mod support;
 
-use support::pattern;
+use support::{check_block, read_request, wait_for_peer};
 
 fn layout() -> KvLayout {
     KvLayout {
@@ -41,31 +40,10 @@ async fn engine(id: &str, backend: BackendConfig, tag: u8) -> TransferEngine {
     .await
 }
 
-fn check_block(e: &TransferEngine, local: u64, src_tag: u8, remote: u64) {
-    let l = e.layout();
-    for r in 0..l.num_regions as usize {
-        let mut got = vec![0u8; l.block_len_bytes as usize];
-        e.region(r)
-            .read_at((local * l.block_len_bytes) as usize, &mut got);
-        assert!(
-            got == pattern(src_tag, r, remote, got.len()),
-            "region {r} local block {local} differs from remote block {remote}"
-        );
-    }
-}
-
 async fn read(e: &TransferEngine, peer: &str, pairs: &[(u64, u64)]) -> ReadOutcome {
-    let req = ReadRequest {
-        peer_engine_id: peer.into(),
-        blocks: pairs
-            .iter()
-            .map(|&(remote, local)| BlockPair { remote, local })
-            .collect(),
-        direction: Direction::DecodeToPrefill,
-        notify: None,
-        timeout_ms: Some(10_000),
-    };
-    e.read(&req).await.expect("READ succeeds")
+    e.read(&read_request(peer, pairs, 10_000))
+        .await
+        .expect("READ succeeds")
 }
 
 /// The reader (`reader_rails`) READs from the target (`target_rails`):
@@ -102,12 +80,7 @@ async fn reads_over_rails(
     }
     // And the other way: the target READs the reader through the same
     // handshake.
-    for _ in 0..100 {
-        if !d.peers().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_peer(&d).await;
     // (The reader's blocks 16..32 still hold its own pattern.)
     let back: Vec<(u64, u64)> = (0..16).map(|i| (16 + i, i)).collect();
     read(&d, "prefill-0", &back).await;

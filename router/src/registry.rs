@@ -170,8 +170,9 @@ impl Registry {
                 return Err(bad("engine_id", "expected a non-empty string"));
             }
             let http_url = e.http_url.trim_end_matches('/').to_string();
-            let urls = EngineUrls::new(&http_url)
-                .filter(|_| http_url.starts_with("http://"))
+            let urls = Some(&http_url)
+                .filter(|u| u.starts_with("http://"))
+                .and_then(|u| EngineUrls::new(u))
                 .ok_or_else(|| bad("http_url", "expected an http:// URL"))?;
             if e.side_channel_host.is_empty() {
                 return Err(bad(

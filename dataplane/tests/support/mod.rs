@@ -1,6 +1,12 @@
 //! Shared by the dataplane's integration tests: engines over memfd regions
-//! whose every block holds a known pattern, and the pattern itself.
+//! whose every block holds a known pattern, the pattern itself, and the
+//! checks and requests the tests share.
+// Each test file includes this module and uses part of it.
+#![allow(dead_code)]
 use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvloop_common::Direction;
 
 use kvloop_dataplane::*;
 
@@ -46,4 +52,44 @@ pub async fn filled_engine(
         }
     }
     e
+}
+
+/// Asserts that `e`'s block `local` holds, in every region, the pattern of
+/// block `remote` of the engine tagged `src_tag`.
+pub fn check_block(e: &TransferEngine, local: u64, src_tag: u8, remote: u64) {
+    let l = e.layout();
+    for r in 0..l.num_regions as usize {
+        let mut got = vec![0u8; l.block_len_bytes as usize];
+        e.region(r)
+            .read_at((local * l.block_len_bytes) as usize, &mut got);
+        assert!(
+            got == pattern(src_tag, r, remote, got.len()),
+            "region {r} local block {local} differs from remote block {remote}"
+        );
+    }
+}
+
+/// A D→P READ of `pairs` (remote, local) from `peer`.
+pub fn read_request(peer: &str, pairs: &[(u64, u64)], timeout_ms: u64) -> ReadRequest {
+    ReadRequest {
+        peer_engine_id: peer.into(),
+        blocks: pairs
+            .iter()
+            .map(|&(remote, local)| BlockPair { remote, local })
+            .collect(),
+        direction: Direction::DecodeToPrefill,
+        notify: None,
+        timeout_ms: Some(timeout_ms),
+    }
+}
+
+/// Waits (up to 1 s) until `e` learned a peer from a handshake the other
+/// side started.
+pub async fn wait_for_peer(e: &TransferEngine) {
+    for _ in 0..100 {
+        if !e.peers().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

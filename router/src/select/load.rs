@@ -27,8 +27,6 @@ pub const EWMA_ALPHA: f64 = 0.2;
 #[derive(Default)]
 struct Engine {
     outstanding_prefill_tokens: AtomicU64,
-    /// Predicted compute of the outstanding prefills, µs.
-    outstanding_prefill_us: AtomicU64,
     inflight_decode_streams: AtomicU32,
     /// f64 bits of ms per token; 0 = no sample yet.
     ms_per_token_bits: AtomicU64,
@@ -57,7 +55,6 @@ pub struct PrefillGuard {
     book: Arc<LoadBook>,
     engine: u16,
     tokens: u64,
-    compute_us: u64,
     id: u64,
 }
 
@@ -66,8 +63,6 @@ impl Drop for PrefillGuard {
         if let Some(e) = self.book.engines.get(usize::from(self.engine)) {
             e.outstanding_prefill_tokens
                 .fetch_sub(self.tokens, Ordering::Relaxed);
-            e.outstanding_prefill_us
-                .fetch_sub(self.compute_us, Ordering::Relaxed);
             let mut f = e.fifo.lock();
             if let Some(pos) = f.items.iter().position(|x| x.0 == self.id) {
                 f.items.remove(pos);
@@ -121,22 +116,19 @@ impl LoadBook {
         tokens: u64,
         compute_ms: Option<f64>,
     ) -> PrefillGuard {
-        let compute_us = compute_ms
-            .filter(|m| m.is_finite() && *m >= 0.0)
-            .map_or(0, |m| (m * 1e3) as u64);
+        let compute_ms = compute_ms.filter(|m| m.is_finite() && *m >= 0.0);
+        let compute_us = compute_ms.map_or(0, |m| (m * 1e3) as u64);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         if let Some(e) = self.engines.get(usize::from(engine)) {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
-            e.outstanding_prefill_us
-                .fetch_add(compute_us, Ordering::Relaxed);
             let mut f = e.fifo.lock();
             if f.items.is_empty() {
                 f.head_since_ms = self.clock.now_ms();
             }
             f.items.push_back((id, compute_us));
         }
-        if let Some(m) = compute_ms.filter(|m| m.is_finite() && *m >= 0.0) {
+        if let Some(m) = compute_ms {
             let _ = self.mean_prefill_ms_bits.fetch_update(
                 Ordering::Relaxed,
                 Ordering::Relaxed,
@@ -157,7 +149,6 @@ impl LoadBook {
             book: self.clone(),
             engine,
             tokens,
-            compute_us,
             id,
         }
     }

@@ -204,6 +204,36 @@ pub(crate) fn exe() -> Result<PathBuf> {
     std::env::current_exe().context("locating the kvloop binary")
 }
 
+/// Re-runs this command inside node A's namespace of `pair` (the target
+/// goes to B), telling the inner run each side's addresses (one per rail)
+/// through `--netns-inner=A/B/a1,a2…/b1,b2…`; the namespaces go when it ends.
+pub(crate) fn rerun_in_netns(pair: NodePair, addrs_a: &[String], addrs_b: &[String]) -> Result<()> {
+    let mut cmd = NodePair::command_in(&pair.ns_a, &exe()?);
+    cmd.args(std::env::args().skip(1));
+    cmd.arg(format!(
+        "--netns-inner={}/{}/{}/{}",
+        pair.ns_a,
+        pair.ns_b,
+        addrs_a.join(","),
+        addrs_b.join(",")
+    ));
+    let st = cmd
+        .status()
+        .context("re-running the bench inside the namespace")?;
+    drop(pair);
+    if !st.success() {
+        bail!("bench inside the namespace failed: {st}");
+    }
+    Ok(())
+}
+
+/// What `--netns-inner` says: node B's namespace and each side's addresses.
+pub(crate) fn netns_inner(args: &BenchReadArgs) -> Option<(String, Vec<String>, Vec<String>)> {
+    let p: Vec<&str> = args.netns_inner.as_deref()?.split('/').collect();
+    let list = |i: usize| p[i].split(',').map(str::to_string).collect::<Vec<_>>();
+    Some((p[1].to_string(), list(2), list(3)))
+}
+
 /// Entry point.
 pub async fn run(args: BenchReadArgs) -> Result<()> {
     if let Some(n) = args.rails {
@@ -211,31 +241,12 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
     }
     if args.netns && args.netns_inner.is_none() {
         // Re-run this command inside node A's namespace; the target goes to B.
-        let tag = std::process::id() % 10_000;
-        let pair = NodePair::create(tag)?;
-        let mut cmd = NodePair::command_in(&pair.ns_a, &exe()?);
-        cmd.args(std::env::args().skip(1));
-        cmd.args([
-            "--netns-inner",
-            &format!(
-                "{}/{}/{}/{}",
-                pair.ns_a, pair.ns_b, pair.addr_a, pair.addr_b
-            ),
-        ]);
-        let st = cmd
-            .status()
-            .context("re-running the bench inside the namespace")?;
-        drop(pair);
-        if !st.success() {
-            bail!("bench inside the namespace failed: {st}");
-        }
-        return Ok(());
+        let pair = NodePair::create(std::process::id() % 10_000)?;
+        let (a, b) = (pair.addr_a.to_string(), pair.addr_b.to_string());
+        return rerun_in_netns(pair, &[a], &[b]);
     }
-    let (ns_b, addr_a, addr_b) = match &args.netns_inner {
-        Some(s) => {
-            let p: Vec<&str> = s.split('/').collect();
-            (Some(p[1].to_string()), p[2].to_string(), p[3].to_string())
-        }
+    let (ns_b, addr_a, addr_b) = match netns_inner(&args) {
+        Some((ns_b, a, b)) => (Some(ns_b), a[0].clone(), b[0].clone()),
         None => (None, "127.0.0.1".to_string(), "127.0.0.1".to_string()),
     };
     let sizes = args

@@ -15,7 +15,7 @@ use kvloop_cli::netns::NodePair;
 use kvloop_dataplane::BlockPair;
 use serde::Serialize;
 
-use super::{BenchReadArgs, exe, kv_run, parse_size, pct};
+use super::{BenchReadArgs, exe, kv_run, netns_inner, parse_size, pct, rerun_in_netns};
 
 /// One row of the rails table.
 #[derive(Debug, Serialize)]
@@ -67,30 +67,10 @@ pub async fn run(args: BenchReadArgs, max: usize) -> Result<()> {
             a.push(x.to_string());
             b.push(y.to_string());
         }
-        let mut cmd = NodePair::command_in(&pair.ns_a, &exe()?);
-        cmd.args(std::env::args().skip(1));
-        cmd.arg(format!(
-            "--netns-inner={}/{}/{}/{}",
-            pair.ns_a,
-            pair.ns_b,
-            a.join(","),
-            b.join(",")
-        ));
-        let st = cmd
-            .status()
-            .context("re-running the bench inside the namespace")?;
-        drop(pair);
-        if !st.success() {
-            bail!("bench inside the namespace failed: {st}");
-        }
-        return Ok(());
+        return rerun_in_netns(pair, &a, &b);
     }
-    let (ns_b, addrs_a, addrs_b) = match &args.netns_inner {
-        Some(s) => {
-            let p: Vec<&str> = s.split('/').collect();
-            let list = |i: usize| p[i].split(',').map(str::to_string).collect::<Vec<_>>();
-            (Some(p[1].to_string()), list(2), list(3))
-        }
+    let (ns_b, addrs_a, addrs_b) = match netns_inner(&args) {
+        Some((ns_b, a, b)) => (Some(ns_b), a, b),
         None => {
             let lo: Vec<String> = (1..=max).map(|k| format!("127.0.0.{k}")).collect();
             (None, lo.clone(), lo)
