@@ -227,6 +227,18 @@ pub(crate) fn rerun_in_netns(pair: NodePair, addrs_a: &[String], addrs_b: &[Stri
     Ok(())
 }
 
+/// The serving `kvloop node` (in namespace `ns` when given) with
+/// `child_args`. It polls continuously, so that kvloop and the raw loop
+/// (which sends no read hints) READ from the same server.
+pub(crate) fn spawn_target(ns: Option<&str>, child_args: &[String]) -> Result<NodeChild> {
+    let mut cmd = match ns {
+        Some(ns) => NodePair::command_in(ns, &exe()?),
+        None => std::process::Command::new(exe()?),
+    };
+    cmd.arg("node").args(child_args).arg("--busy-poll");
+    NodeChild::spawn(cmd)
+}
+
 /// What `--netns-inner` says: node B's namespace and each side's addresses.
 pub(crate) fn netns_inner(args: &BenchReadArgs) -> Option<(String, Vec<String>, Vec<String>)> {
     let p: Vec<&str> = args.netns_inner.as_deref()?.split('/').collect();
@@ -329,14 +341,7 @@ pub async fn run(args: BenchReadArgs) -> Result<()> {
                 rails: Vec::new(),
             };
             let child_args = eargs.child_args("bench-target", &format!("{addr_b}:0"), 7);
-            let mut cmd = match &ns_b {
-                Some(ns) => NodePair::command_in(ns, &exe()?),
-                None => std::process::Command::new(exe()?),
-            };
-            // The serving process polls continuously, so that kvloop and the
-            // raw loop (which sends no read hints) READ from the same server.
-            cmd.arg("node").args(&child_args).arg("--busy-poll");
-            let target = NodeChild::spawn(cmd)?;
+            let target = spawn_target(ns_b.as_deref(), &child_args)?;
             let engine = eargs.start().await?;
             engine.connect(target.side_channel().parse()?).await?;
             // The raw reader's one local buffer holds the regions back to back.

@@ -9,13 +9,12 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use kvloop_cli::child::NodeChild;
 use kvloop_cli::engine_args::{BackendArg, EngineArgs, verify};
 use kvloop_cli::netns::NodePair;
 use kvloop_dataplane::BlockPair;
 use serde::Serialize;
 
-use super::{BenchReadArgs, exe, kv_run, netns_inner, parse_size, pct, rerun_in_netns};
+use super::{BenchReadArgs, kv_run, netns_inner, parse_size, pct, rerun_in_netns, spawn_target};
 
 /// One row of the rails table.
 #[derive(Debug, Serialize)]
@@ -173,12 +172,7 @@ async fn measure(
         7,
         &bind(addrs_b, n),
     );
-    let mut cmd = match ns_b {
-        Some(ns) => NodePair::command_in(ns, &exe()?),
-        None => std::process::Command::new(exe()?),
-    };
-    cmd.arg("node").args(&child_args).arg("--busy-poll");
-    let target = NodeChild::spawn(cmd)?;
+    let target = spawn_target(ns_b.as_deref(), &child_args)?;
     let engine = eargs.start().await?;
     engine.connect(target.side_channel().parse()?).await?;
     let pairs: Vec<BlockPair> = (0..bpr as u64)
