@@ -153,6 +153,12 @@ pub struct ProbeConfig {
     pub small_blocks: u32,
     /// Blocks in a large probe READ (a long conversation turn) [32].
     pub large_blocks: u32,
+    /// Probe also in the layouts of the engines registered here (managed
+    /// mode): one more probe engine per distinct layout (descriptors per
+    /// block id, bytes per descriptor, tokens per block; at most 4), its
+    /// READs of about the configured READs' bytes, used with every peer
+    /// that has the same shape (`crate::probe_plan`) [true].
+    pub follow_engines: bool,
     /// Period between probe rounds (one small and one large READ per peer), ms [250].
     pub period_ms: u64,
     /// Rate limit of probe traffic per peer, bytes/s; a round is skipped
@@ -178,6 +184,7 @@ impl Default for ProbeConfig {
             block_size_tokens: 16,
             small_blocks: 1,
             large_blocks: 32,
+            follow_engines: true,
             period_ms: 250,
             max_bytes_per_s: 64 << 20,
             alarm_ratio: 0.1,

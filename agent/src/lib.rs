@@ -7,6 +7,8 @@
 //! * [`lease`]: pure lease table (TTL, reader renewals, safety margin).
 //! * [`tasks`]: peer discovery, active probes, cost model updates,
 //!   threshold pushes, eBPF sample drain.
+//! * [`probe_plan`]: shapes of active probe READs, following the engines'
+//!   registered layouts (pure).
 //! * [`pulls`]: pull outcomes per engine pair and the failing-pair alarm.
 //! * [`netstate`]: rtnetlink link state, sysfs speed, RDMA counters,
 //!   path invalidation.
@@ -27,6 +29,7 @@ pub mod lease;
 pub mod metrics;
 pub mod netstate;
 pub mod observe;
+pub mod probe_plan;
 pub mod pulls;
 pub mod server;
 pub mod tasks;

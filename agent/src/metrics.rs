@@ -9,7 +9,7 @@
 //! | `kvloop_agent_reads_in_flight` | gauge | | managed READs posted and not finished (cancelled ones leave at once) |
 //! | `kvloop_agent_pulls` | counter | `reader`, `owner`, `result`, `reason` | managed READs per engine pair: `read`, `declined` or `failed`, with the error kind |
 //! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
-//! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `result` | active probe READs |
+//! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `shape`, `result` | active probe READs (`shape`: descriptors per block id x bytes per descriptor, e.g. `128x4096`) |
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |
 //! | `kvloop_agent_kernel_transfers` | counter | `site`, `result` | kernel-timed transfers drained: `recorded` for the cost model, else why not ([`crate::observe::Skip`]) |
 //! | `kvloop_agent_path_bandwidth_bytes_per_second` | gauge | `peer` | fitted bandwidth of the inbound path |

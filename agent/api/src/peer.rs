@@ -28,6 +28,25 @@ pub struct EnginesInfo {
     pub probe: Option<EngineAddr>,
     /// Engines it hosts.
     pub engines: Vec<EngineAddr>,
+    /// Its engine-shaped probe engines: one per distinct layout of the
+    /// engines registered with it (managed mode), so that probe READs are
+    /// shaped like the real ones. Absent from agents that predate them
+    /// (they are probed in the configured shape).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shaped_probes: Vec<ShapedProbeAddr>,
+}
+
+/// An engine-shaped probe engine: its id (`probe.<agent_id>.<shape>`), side
+/// channel and layout (regions, block length and tokens per block are the
+/// registered engines'; `num_blocks` its own).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShapedProbeAddr {
+    /// Engine id.
+    pub engine_id: String,
+    /// Side channel (`host:port` of the engine's dataplane handshake).
+    pub side_channel: SocketAddr,
+    /// The probe engine's layout.
+    pub layout: kvloop_kv_types::layout::KvLayout,
 }
 
 /// An engine id and its side-channel address.
@@ -130,9 +149,31 @@ mod tests {
                 side_channel: "10.0.0.1:5600".parse().unwrap(),
             }),
             engines: vec![],
+            shaped_probes: vec![],
         };
-        let back: EnginesInfo = serde_json::from_str(&serde_json::to_string(&i).unwrap()).unwrap();
+        let text = serde_json::to_string(&i).unwrap();
+        assert!(
+            !text.contains("shaped_probes"),
+            "omitted when empty: {text}"
+        );
+        let back: EnginesInfo = serde_json::from_str(&text).unwrap();
         assert_eq!(back, i);
+        let shaped = EnginesInfo {
+            shaped_probes: vec![ShapedProbeAddr {
+                engine_id: format!("{PROBE_ENGINE_PREFIX}node-a.128x4096x16"),
+                side_channel: "10.0.0.1:5601".parse().unwrap(),
+                layout: kvloop_kv_types::layout::KvLayout {
+                    num_regions: 128,
+                    num_blocks: 16,
+                    block_len_bytes: 4096,
+                    block_size_tokens: 16,
+                },
+            }],
+            ..i
+        };
+        let back: EnginesInfo =
+            serde_json::from_str(&serde_json::to_string(&shaped).unwrap()).unwrap();
+        assert_eq!(back, shaped);
     }
 
     #[test]

@@ -131,6 +131,8 @@ impl Agent {
             .insert(engine_id.clone(), Default::default());
         self.metrics.engines.set(self.engines.read().len() as i64);
         tracing::info!(%engine_id, side_channel = %addr, %backend, "engine registered");
+        self.adopt_registered_shape(&engine_id, &layout);
+        self.follow_engine_layout(&layout).await;
         Ok((addr, backend, generation))
     }
 

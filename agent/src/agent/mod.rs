@@ -13,11 +13,13 @@ mod leases;
 mod links;
 mod model;
 mod peers;
+mod probe_engines;
 mod read;
 
 pub use kvloop_agent_api::peer::{API_VERSION, EngineAddr, EnginesInfo, PROBE_ENGINE_PREFIX};
 pub use model::bandwidth_alarm;
 pub use peers::PeerState;
+pub use probe_engines::ProbeTarget;
 pub use read::dataplane_error;
 
 use std::collections::{HashMap, VecDeque};
@@ -86,8 +88,12 @@ pub struct Agent {
     model: Mutex<CostModel>,
     /// Peer agents by name.
     peers: RwLock<HashMap<String, PeerState>>,
-    /// The probe engine, when probes run.
+    /// The configured probe engine, when probes run.
     probe_engine: Option<TransferEngine>,
+    /// Probe engines shaped like the registered engines' layouts.
+    shaped_probes: RwLock<Vec<probe_engines::ShapedProbe>>,
+    /// Held while deciding on and opening an engine-shaped probe engine.
+    shape_lock: tokio::sync::Mutex<()>,
     /// eBPF probes (or their user-space fallback).
     probes: kvloop_probes::Probes,
     metrics: Metrics,
@@ -128,25 +134,12 @@ impl Agent {
             })?;
         }
         let probe_engine = if cfg.probe.enabled {
-            let p = &cfg.probe;
-            let layout = KvLayout {
-                num_regions: p.num_regions,
-                num_blocks: p.num_blocks,
-                block_len_bytes: p.block_len_bytes,
-                block_size_tokens: p.block_size_tokens,
-            };
-            let regions = (0..p.num_regions)
-                .map(|i| HostRegion::new(&format!("probe{i}"), layout.region_len_bytes() as usize))
-                .collect::<Result<Vec<_>, _>>()?;
-            let ecfg = EngineConfig {
-                engine_id: format!("{PROBE_ENGINE_PREFIX}{}", cfg.agent_id),
-                side_channel_addr: SocketAddr::new(cfg.node_addr, p.side_channel_port),
-                backend: cfg.backend.clone(),
-                layout,
-                read_timeout_ms: cfg.read_timeout_ms.max(10_000),
-                handshake_timeout_ms: 5000,
-            };
-            Some(TransferEngine::start(ecfg, regions).await?)
+            let plan = crate::probe_plan::ProbePlan::configured(&cfg.probe);
+            let id = format!("{PROBE_ENGINE_PREFIX}{}", cfg.agent_id);
+            Some(
+                probe_engines::start_probe_engine(&cfg, id, &plan, cfg.probe.side_channel_port)
+                    .await?,
+            )
         } else {
             None
         };
@@ -199,6 +192,8 @@ impl Agent {
             model: Mutex::new(model),
             peers: RwLock::new(peers),
             probe_engine,
+            shaped_probes: RwLock::new(Vec::new()),
+            shape_lock: tokio::sync::Mutex::new(()),
             probes,
             metrics,
             http,
@@ -225,7 +220,7 @@ impl Agent {
         &self.probes
     }
 
-    /// The probe engine, when probes run.
+    /// The configured probe engine, when probes run.
     pub fn probe_engine(&self) -> Option<&TransferEngine> {
         self.probe_engine.as_ref()
     }
@@ -264,6 +259,7 @@ impl Agent {
                 side_channel: e.side_channel_addr(),
             }),
             engines,
+            shaped_probes: self.shaped_probe_addrs(),
         }
     }
 

@@ -20,7 +20,66 @@ pub fn bandwidth_alarm(
     identified && fitted_bytes_per_s.is_finite() && fitted_bytes_per_s < ratio * expected
 }
 
+/// The KV shape READs of an engine registered with `layout` have: a block
+/// id is `num_regions` descriptors of `block_len_bytes`, and holds
+/// `block_size_tokens` tokens, so a token is `num_regions ×
+/// block_len_bytes ÷ block_size_tokens` bytes on the READ path.
+pub fn kv_shape_of(layout: &KvLayout) -> KvShape {
+    let tokens = u64::from(layout.block_size_tokens.max(1));
+    KvShape {
+        bytes_per_token: (layout.bytes_per_block_id() / tokens).max(1),
+        block_size_tokens: tokens,
+        regions_per_block: u64::from(layout.num_regions.max(1)),
+    }
+}
+
 impl Agent {
+    /// A prefill engine registered (managed mode): every configured pair
+    /// whose prefill engine it is takes the KV shape of its real layout
+    /// ([`kv_shape_of`]) for the break-even conversion, in place of the
+    /// configured `bytes_per_token` / `block_size_tokens` /
+    /// `regions_per_block` (the per-descriptor term then counts the
+    /// descriptors its READs really have). A difference is logged.
+    pub(super) fn adopt_registered_shape(&self, engine_id: &str, layout: &KvLayout) {
+        let shape = kv_shape_of(layout);
+        for p in self
+            .cfg
+            .pairs
+            .iter()
+            .filter(|p| p.prefill_engine_id == engine_id)
+        {
+            let configured = (p.bytes_per_token, p.block_size_tokens, p.regions_per_block);
+            if configured
+                != (
+                    shape.bytes_per_token,
+                    shape.block_size_tokens,
+                    shape.regions_per_block,
+                )
+            {
+                tracing::warn!(
+                    prefill_engine_id = %p.prefill_engine_id,
+                    decode_engine_id = %p.decode_engine_id,
+                    configured_bytes_per_token = p.bytes_per_token,
+                    configured_block_size_tokens = p.block_size_tokens,
+                    configured_regions_per_block = p.regions_per_block,
+                    bytes_per_token = shape.bytes_per_token,
+                    block_size_tokens = shape.block_size_tokens,
+                    regions_per_block = shape.regions_per_block,
+                    "pairs[]: the registered engine's layout differs from the configured KV shape; the layout's is used"
+                );
+            }
+            let spec = PairSpec {
+                prefill_engine_id: p.prefill_engine_id.clone(),
+                decode_engine_id: p.decode_engine_id.clone(),
+                decode_peer: p.decode_peer.clone(),
+                shape,
+            };
+            if let Err(e) = self.model.lock().upsert_pair(spec) {
+                tracing::warn!(engine_id, error = %e, "pair shape from the registered layout refused");
+            }
+        }
+    }
+
     /// Refits the cost model now: logs and counts threshold changes,
     /// publishes thresholds, path bandwidth and fixed cost, and raises or
     /// clears the bandwidth alarm per peer. Returns when to refit next
@@ -227,6 +286,22 @@ impl Agent {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn shape_of_qwen3_32b_tp8_layout() {
+        // 64 layers × K/V = 128 regions of 16 tokens × 8 KV heads / TP 8 ×
+        // 128 head dim × 2 bytes = 4 KiB.
+        let l = kvloop_dataplane::KvLayout {
+            num_regions: 128,
+            num_blocks: 1000,
+            block_len_bytes: 4096,
+            block_size_tokens: 16,
+        };
+        let s = super::kv_shape_of(&l);
+        assert_eq!(s.regions_per_block, 128);
+        assert_eq!(s.block_size_tokens, 16);
+        assert_eq!(s.bytes_per_token, 128 * 4096 / 16);
+    }
+
     #[test]
     fn alarm_only_when_identified_and_far_below() {
         use super::bandwidth_alarm;

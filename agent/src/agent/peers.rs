@@ -77,59 +77,6 @@ impl Agent {
         }
     }
 
-    /// Connects the probe engine to every known peer's probe engine not
-    /// connected yet (the discovery task's job, never a READ's).
-    pub async fn connect_probe_paths(&self) {
-        let Some(pe) = &self.probe_engine else {
-            return;
-        };
-        let theirs: Vec<(String, EngineAddr)> = self
-            .peers
-            .read()
-            .iter()
-            .filter_map(|(n, p)| {
-                p.info
-                    .as_ref()
-                    .and_then(|i| i.probe.clone())
-                    .map(|pr| (n.clone(), pr))
-            })
-            .collect();
-        let connected = pe.peers();
-        for (name, pr) in theirs {
-            if connected.contains(&pr.engine_id) {
-                continue;
-            }
-            match pe.connect(pr.side_channel).await {
-                Ok(_) => {
-                    tracing::info!(peer = %name, side_channel = %pr.side_channel, "probe path connected")
-                }
-                Err(e) => tracing::warn!(peer = %name, error = %e, "probe path connect failed"),
-            }
-        }
-    }
-
-    /// The peers to probe now: `(peer name, its probe engine id)` of every
-    /// peer whose path is valid and whose probe engine the probe engine is
-    /// connected to.
-    pub fn probe_targets(&self) -> Vec<(String, String)> {
-        let Some(pe) = &self.probe_engine else {
-            return Vec::new();
-        };
-        let connected = pe.peers();
-        self.peers
-            .read()
-            .iter()
-            .filter(|(_, s)| s.path_valid)
-            .filter_map(|(n, s)| {
-                s.info
-                    .as_ref()
-                    .and_then(|i| i.probe.as_ref())
-                    .map(|pr| (n.clone(), pr.engine_id.clone()))
-            })
-            .filter(|(_, id)| connected.contains(id))
-            .collect()
-    }
-
     /// Names of the peer agents.
     pub fn peer_names(&self) -> Vec<String> {
         self.peers.read().keys().cloned().collect()
@@ -155,6 +102,7 @@ impl Agent {
                 p.info.as_ref().is_some_and(|i| {
                     i.engines.iter().any(|e| m(&e.engine_id))
                         || i.probe.as_ref().is_some_and(|e| m(&e.engine_id))
+                        || i.shaped_probes.iter().any(|e| m(&e.engine_id))
                 })
             })
             .map(|(n, _)| n.clone())

@@ -1,5 +1,6 @@
 //! Active probes: per round and peer, one small and one large READ of the
-//! peer's probe engine, rate-limited per peer ([`RateLimit`]).
+//! peer's probe engine in each shared shape (`crate::probe_plan`),
+//! rate-limited per peer ([`RateLimit`]).
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,16 +47,16 @@ impl RateLimit {
     }
 }
 
-/// Active probes: per round and peer, one small and one large READ of the
-/// peer's probe engine, shaped like KV transfers (the probe layout's block
-/// size and regions), recorded as [`SampleSource::ActiveProbe`].
+/// Active probes: per round and peer, one small and one large READ in each
+/// shape both sides probe in ([`crate::agent::ProbeTarget`]: the registered
+/// engines' layouts where the peer has them too, else the configured
+/// layout), recorded as [`SampleSource::ActiveProbe`]. A peer's rounds
+/// share one rate limit; a shape whose round does not fit is skipped.
 pub async fn run(agent: Arc<Agent>) {
-    let Some(pe) = agent.probe_engine().cloned() else {
+    if agent.probe_engine().is_none() {
         return;
-    };
+    }
     let p = agent.config().probe.clone();
-    let bytes_per_block = p.block_len_bytes * p.num_regions as u64;
-    let round_bytes = (p.small_blocks + p.large_blocks) as u64 * bytes_per_block;
     let mut buckets: HashMap<String, RateLimit> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(p.period_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -63,34 +64,41 @@ pub async fn run(agent: Arc<Agent>) {
     loop {
         tick.tick().await;
         round += 1;
-        for (peer, engine_id) in agent.probe_targets() {
+        for t in agent.probe_targets() {
             let now = agent.now_ms();
+            let round_bytes = t.plan.round_bytes();
+            let shape = t.plan.shape_label();
             let b = buckets
-                .entry(peer.clone())
+                .entry(t.peer.clone())
                 .or_insert_with(|| RateLimit::new(p.max_bytes_per_s, round_bytes, now));
             if !b.try_take(round_bytes, now) {
                 agent
                     .metrics()
                     .probe_skipped
-                    .get_or_create(&labels(&[("peer", &peer)]))
+                    .get_or_create(&labels(&[("peer", &t.peer)]))
                     .inc();
                 continue;
             }
             // Vary the blocks between rounds so that nothing is cached.
-            let off = (round % p.num_blocks as u64) as u32;
-            for (size, n) in [("small", p.small_blocks), ("large", p.large_blocks)] {
+            let num_blocks = t.plan.layout.num_blocks;
+            let off = (round % num_blocks as u64) as u32;
+            for (size, n) in [
+                ("small", t.plan.small_blocks),
+                ("large", t.plan.large_blocks),
+            ] {
                 let blocks: Vec<BlockPair> = (0..n)
                     .map(|i| {
-                        let b = ((off + i) % p.num_blocks) as u64;
+                        let b = ((off + i) % num_blocks) as u64;
                         BlockPair {
                             remote: b,
                             local: b,
                         }
                     })
                     .collect();
-                let r = pe
+                let r = t
+                    .engine
                     .read(&ReadRequest {
-                        peer_engine_id: engine_id.clone(),
+                        peer_engine_id: t.remote_engine_id.clone(),
                         blocks,
                         direction: kvloop_common::Direction::Probe,
                         notify: None,
@@ -102,14 +110,17 @@ pub async fn run(agent: Arc<Agent>) {
                     .metrics()
                     .probe_reads
                     .get_or_create(&labels(&[
-                        ("peer", &peer),
+                        ("peer", &t.peer),
                         ("size", size),
+                        ("shape", &shape),
                         ("result", result),
                     ]))
                     .inc();
                 match r {
-                    Ok(o) => agent.record_own_read(&peer, &o, SampleSource::ActiveProbe),
-                    Err(e) => tracing::debug!(%peer, error = %e, "probe READ failed"),
+                    Ok(o) => agent.record_own_read(&t.peer, &o, SampleSource::ActiveProbe),
+                    Err(e) => {
+                        tracing::debug!(peer = %t.peer, %shape, error = %e, "probe READ failed")
+                    }
                 }
             }
         }

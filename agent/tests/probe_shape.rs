@@ -1,0 +1,139 @@
+//! Active probes follow the registered engines' layout, through two real
+//! agents on loopback: before any engine registers, the agents probe each
+//! other in the configured shape (2 descriptors of 64 KiB per block id);
+//! once both host an engine of 8 regions × 4 KiB, each opens a probe engine
+//! of that shape, lists it at `/v1/engines`, and probes the other in it.
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{AgentProc, free_port};
+use kvloop_agent::client::AgentClient;
+use kvloop_dataplane::{HostRegion, KvLayout};
+
+fn engine_layout() -> KvLayout {
+    KvLayout {
+        num_regions: 8,
+        num_blocks: 32,
+        block_len_bytes: 4096,
+        block_size_tokens: 16,
+    }
+}
+
+fn config(
+    dir: &std::path::Path,
+    name: &str,
+    http: u16,
+    peer: &str,
+    peer_http: u16,
+) -> std::path::PathBuf {
+    let sock = dir.join(format!("{name}.sock"));
+    let text = format!(
+        r#"
+agent_id = "{name}"
+node_addr = "127.0.0.1"
+http_listen = "127.0.0.1:{http}"
+socket_path = "{}"
+backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
+[probe]
+period_ms = 200
+large_blocks = 4
+[[peers]]
+name = "{peer}"
+http = "127.0.0.1:{peer_http}"
+"#,
+        sock.display()
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The summed `kvloop_agent_probe_reads_total` of `shape` with result ok.
+async fn ok_probe_reads(http: &str, shape: &str) -> u64 {
+    let m = reqwest::get(format!("http://{http}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    m.lines()
+        .filter(|l| {
+            l.starts_with("kvloop_agent_probe_reads_total{")
+                && l.contains(&format!("shape=\"{shape}\""))
+                && l.contains("result=\"ok\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+async fn wait_for_reads(http: &str, shape: &str, what: &str) -> u64 {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = ok_probe_reads(http, shape).await;
+        if n > 0 {
+            return n;
+        }
+        assert!(
+            Instant::now() < until,
+            "{what}: no ok probe READ of shape {shape} in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_take_the_shape_of_the_engines_both_nodes_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ha, hb) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
+    let ca = config(dir.path(), "node-a", ha, "node-b", hb);
+    let cb = config(dir.path(), "node-b", hb, "node-a", ha);
+    let mut a = AgentProc::start(&[], &ca, &dir.path().join("node-a.sock"));
+    let mut b = AgentProc::start(&[], &cb, &dir.path().join("node-b.sock"));
+
+    // No engine yet: the configured shape.
+    wait_for_reads(&a.http, "2x65536", "configured shape").await;
+
+    let l = engine_layout();
+    let mem = |tag: &str| -> Vec<HostRegion> {
+        (0..l.num_regions)
+            .map(|r| HostRegion::new(&format!("{tag}{r}"), l.region_len_bytes() as usize).unwrap())
+            .collect()
+    };
+    let (p_mem, d_mem) = (mem("p"), mem("d"));
+    let pa = AgentClient::connect(&a.socket, "test-p0").await.unwrap();
+    pa.register_memfd("p0", l, &p_mem, None).await.unwrap();
+    // A second engine of the same shape opens no second probe engine.
+    pa.register_memfd("p1", l, &p_mem, None).await.unwrap();
+
+    // Only A has the shape: A lists it, but still probes B in the configured one.
+    let info: serde_json::Value = reqwest::get(format!("http://{}/v1/engines", a.http))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let shaped = info["shaped_probes"]
+        .as_array()
+        .expect("shaped_probes listed");
+    assert_eq!(shaped.len(), 1, "{info}");
+    assert_eq!(shaped[0]["layout"]["num_regions"], 8, "{info}");
+    assert_eq!(shaped[0]["layout"]["block_len_bytes"], 4096, "{info}");
+    assert_eq!(shaped[0]["engine_id"], "probe.node-a.8x4096x16", "{info}");
+    assert_eq!(ok_probe_reads(&a.http, "8x4096").await, 0);
+
+    let db = AgentClient::connect(&b.socket, "test-d0").await.unwrap();
+    db.register_memfd("d0", l, &d_mem, None).await.unwrap();
+
+    // Both have it now: both probe in it.
+    wait_for_reads(&a.http, "8x4096", "A, engine shape").await;
+    wait_for_reads(&b.http, "8x4096", "B, engine shape").await;
+    // And only in it: the configured shape's count stops growing.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = ok_probe_reads(&a.http, "2x65536").await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(ok_probe_reads(&a.http, "2x65536").await, before);
+
+    drop((pa, db));
+    assert!(a.stop() && b.stop(), "agents exit on SIGTERM");
+}
