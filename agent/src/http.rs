@@ -52,6 +52,7 @@ pub fn router(agent: Arc<Agent>, registry: Registry) -> axum::Router {
 }
 
 async fn metrics(State(s): State<Arc<HttpState>>) -> Response {
+    s.agent.account_rail_bytes();
     let mut out = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &s.registry) {
         return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();

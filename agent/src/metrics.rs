@@ -6,6 +6,7 @@
 //! | `kvloop_agent_leases` | gauge | | retained requests under a lease |
 //! | `kvloop_agent_reads` | counter | `direction`, `result` | managed READs |
 //! | `kvloop_agent_read_bytes` | counter | `direction` | payload of successful managed READs |
+//! | `kvloop_agent_rail_bytes` | counter | `rail`, `address` | payload bytes of the READs this agent's engines made (hosted and probe engines), per rail (`address`: the `backend.rails` entry, or `default`) |
 //! | `kvloop_agent_reads_in_flight` | gauge | | managed READs posted and not finished (cancelled ones leave at once) |
 //! | `kvloop_agent_pulls` | counter | `reader`, `owner`, `result`, `reason` | managed READs per engine pair: `read`, `declined` or `failed`, with the error kind |
 //! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
@@ -56,6 +57,8 @@ pub struct Metrics {
     pub read_bytes: Family<Labels, Counter>,
     /// Managed READs posted and not finished.
     pub reads_in_flight: Gauge,
+    /// Payload bytes per rail.
+    pub rail_bytes: Family<Labels, Counter>,
     /// Managed READs per (reader, owner) pair, by outcome and reason.
     pub pulls: Family<Labels, Counter>,
     /// Pairs whose pulls keep failing.
@@ -119,6 +122,11 @@ impl Metrics {
             "read_bytes",
             "Payload bytes of successful managed READs",
             self.read_bytes.clone(),
+        );
+        r.register(
+            "rail_bytes",
+            "Payload bytes of the READs this agent's engines made, per rail",
+            self.rail_bytes.clone(),
         );
         r.register(
             "reads_in_flight",

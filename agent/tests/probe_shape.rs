@@ -2,7 +2,8 @@
 //! agents on loopback: before any engine registers, the agents probe each
 //! other in the configured shape (2 descriptors of 64 KiB per block id);
 //! once both host an engine of 8 regions × 4 KiB, each opens a probe engine
-//! of that shape, lists it at `/v1/engines`, and probes the other in it.
+//! of that shape, lists it at `/v1/engines`, and probes the other in it;
+//! the READs' bytes show in `kvloop_agent_rail_bytes_total`.
 mod common;
 
 use std::time::{Duration, Instant};
@@ -133,6 +134,20 @@ async fn probes_take_the_shape_of_the_engines_both_nodes_host() {
     let before = ok_probe_reads(&a.http, "2x65536").await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(ok_probe_reads(&a.http, "2x65536").await, before);
+
+    // The probe READs went over the one (default) rail.
+    let m = reqwest::get(format!("http://{}/metrics", a.http))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let rail0: u64 = m
+        .lines()
+        .find(|l| l.starts_with("kvloop_agent_rail_bytes_total{") && l.contains("rail=\"0\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("rail 0 bytes in /metrics: {m}"));
+    assert!(rail0 > 0, "{m}");
 
     drop((pa, db));
     assert!(a.stop() && b.stop(), "agents exit on SIGTERM");

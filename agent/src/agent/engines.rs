@@ -138,6 +138,8 @@ impl Agent {
 
     /// Unregisters an engine; `true` if it was registered.
     pub fn unregister(&self, engine_id: &str) -> bool {
+        // What its rails carried since the last scrape still counts.
+        self.account_rail_bytes();
         let gone = self.engines.write().remove(engine_id).is_some();
         if gone {
             self.leases.lock().drop_engine(engine_id);

@@ -14,6 +14,7 @@ mod links;
 mod model;
 mod peers;
 mod probe_engines;
+mod rails;
 mod read;
 
 pub use kvloop_agent_api::peer::{API_VERSION, EngineAddr, EnginesInfo, PROBE_ENGINE_PREFIX};
@@ -94,6 +95,9 @@ pub struct Agent {
     shaped_probes: RwLock<Vec<probe_engines::ShapedProbe>>,
     /// Held while deciding on and opening an engine-shaped probe engine.
     shape_lock: tokio::sync::Mutex<()>,
+    /// Per engine, its rails' byte totals at the last accounting
+    /// ([`Agent::account_rail_bytes`]).
+    rail_seen: Mutex<HashMap<String, Vec<u64>>>,
     /// eBPF probes (or their user-space fallback).
     probes: kvloop_probes::Probes,
     metrics: Metrics,
@@ -194,6 +198,7 @@ impl Agent {
             probe_engine,
             shaped_probes: RwLock::new(Vec::new()),
             shape_lock: tokio::sync::Mutex::new(()),
+            rail_seen: Mutex::new(HashMap::new()),
             probes,
             metrics,
             http,
