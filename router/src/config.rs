@@ -158,6 +158,13 @@ pub struct RouterConfig {
     /// or adaptive retention; 0: off (each replica counts only its own
     /// requests; retention assumes `retention.default_kv_usage`) [250].
     pub load_interval_ms: u64,
+    /// Period of sharing this replica's prefill lines with the other
+    /// replicas through a Redis store, ms: what each has sent to each
+    /// prefill engine and the compute it predicted, so that `queue(P)` sums
+    /// every replica's outstanding prefills, not only this one's and P's
+    /// polled count (`router/src/load_share.rs`); only under
+    /// `predicted_ttft` with `store = "redis://..."`; 0: off [50].
+    pub load_share_interval_ms: u64,
     /// Decode-side retention (`[retention]`, issue 15): `mode` (`fixed`:
     /// vLLM's fixed TTL, the router tells D nothing; `early_release`: D is
     /// told to release every stored turn nobody will pull; `adaptive`:
@@ -206,6 +213,7 @@ impl Default for RouterConfig {
             policy: Policy::RoundRobin,
             route_header: false,
             load_interval_ms: 250,
+            load_share_interval_ms: 50,
             retention: kvloop_retention::RetentionConfig::default(),
             worker_threads: 1,
             engines: Vec::new(),

@@ -24,6 +24,7 @@ pub mod error;
 pub mod explain;
 pub mod fingerprint;
 pub mod load_poll;
+pub mod load_share;
 pub mod metrics;
 pub mod models;
 pub mod params;

@@ -59,6 +59,7 @@ pub fn app(state: Arc<AppState>) -> Router {
 /// they end when the state is dropped.
 pub fn spawn_background(state: &Arc<AppState>) {
     crate::load_poll::spawn(state);
+    crate::load_share::spawn(state);
     crate::retention_task::spawn(state);
     let weak = Arc::downgrade(state);
     let period = Duration::from_millis(state.cfg.health_interval_ms.max(10));

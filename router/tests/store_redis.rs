@@ -337,3 +337,63 @@ async fn second_replica_pulls_the_turn_the_first_stored() {
         .unwrap();
     assert_eq!(stats["reads_ok"], 3);
 }
+
+#[tokio::test]
+#[ignore = "needs redis-server"]
+async fn replicas_share_their_prefill_lines_and_forget_silent_ones() {
+    use kvloop_router::select::share::{self, LoadShare, SHARE_VERSION, ShareLine};
+    let redis = Redis::start();
+    let (a, b) = (
+        replica(&redis.url(), 60_000).await,
+        replica(&redis.url(), 60_000).await,
+    );
+    let line = |age: u64, us: u64| LoadShare {
+        v: SHARE_VERSION,
+        sent_unix_ms: 1,
+        engines: [(
+            "p0".to_string(),
+            ShareLine {
+                items: vec![(age, us)],
+                done_age_ms: None,
+            },
+        )]
+        .into(),
+    };
+    let got = a
+        .exchange_load("replica-a", share::encode(&line(5, 1000)), 10_000, &[])
+        .await
+        .unwrap()
+        .expect("redis shares");
+    assert_eq!(got.len(), 1);
+    let got = b
+        .exchange_load("replica-b", share::encode(&line(7, 2000)), 10_000, &[])
+        .await
+        .unwrap()
+        .unwrap();
+    let mut fields: Vec<&str> = got.iter().map(|(f, _)| f.as_str()).collect();
+    fields.sort();
+    assert_eq!(fields, ["replica-a", "replica-b"]);
+    let a_share = got.iter().find(|(f, _)| f == "replica-a").unwrap();
+    assert_eq!(share::decode(&a_share.1).unwrap(), line(5, 1000));
+    // A forgets B (silent too long): B's field is gone.
+    let got = a
+        .exchange_load(
+            "replica-a",
+            share::encode(&line(6, 1000)),
+            10_000,
+            &["replica-b".into()],
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), 1, "only A's own field is left");
+    // The memory store shares nothing.
+    let m =
+        Store::from_config(&RouterConfig::default(), vec!["p0".into()], &Metrics::new()).unwrap();
+    assert!(
+        m.exchange_load("x", vec![], 1, &[])
+            .await
+            .unwrap()
+            .is_none()
+    );
+}

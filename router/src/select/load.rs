@@ -12,13 +12,33 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 
 /// This replica's prefills outstanding on one engine, oldest first, and
-/// when the oldest became the head of the line (it was sent to an idle
-/// engine, or the one before it answered), ms.
+/// when the engine last finished the head of this line, ms.
 #[derive(Default)]
 struct Fifo {
-    /// `(guard id, predicted compute µs)`.
-    items: VecDeque<(u64, u64)>,
-    head_since_ms: u64,
+    /// `(guard id, sent at ms, predicted compute µs)`.
+    items: VecDeque<(u64, u64, u64)>,
+    last_done_ms: Option<u64>,
+}
+
+/// Other router replicas' outstanding prefills on one engine, as they last
+/// shared them (`crate::load_share`): `(sent at ms, predicted compute µs)`
+/// on this replica's clock, and when one of them last finished its head.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct SharedLine {
+    /// `(sent at ms, predicted compute µs)`, any order.
+    pub items: Vec<(u64, u64)>,
+    /// When the engine last finished one of their heads, ms.
+    pub last_done_ms: Option<u64>,
+}
+
+/// One replica's line on one engine as it shares it: ages relative to the
+/// moment it is taken, so that no two replicas' clocks need to agree.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct OwnLine {
+    /// `(age ms, predicted compute µs)`, oldest first.
+    pub items: Vec<(u64, u64)>,
+    /// Time since the engine last finished this replica's head, ms.
+    pub last_done_age_ms: Option<u64>,
 }
 
 /// Weight of a new sample in the measured prefill cost (EWMA).
@@ -39,6 +59,8 @@ struct Engine {
     kv_usage_bits: AtomicU64,
     /// Outstanding prefills in the order sent (the remaining-work estimate).
     fifo: Mutex<Fifo>,
+    /// Other replicas' outstanding prefills (empty with one replica).
+    shared: Mutex<SharedLine>,
 }
 
 /// Per-engine load counters, shared by the request tasks.
@@ -68,7 +90,7 @@ impl Drop for PrefillGuard {
                 f.items.remove(pos);
                 if pos == 0 {
                     // The next one starts now.
-                    f.head_since_ms = self.book.clock.now_ms();
+                    f.last_done_ms = Some(self.book.clock.now_ms());
                 }
             }
         }
@@ -122,11 +144,8 @@ impl LoadBook {
         if let Some(e) = self.engines.get(usize::from(engine)) {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
-            let mut f = e.fifo.lock();
-            if f.items.is_empty() {
-                f.head_since_ms = self.clock.now_ms();
-            }
-            f.items.push_back((id, compute_us));
+            let now = self.clock.now_ms();
+            e.fifo.lock().items.push_back((id, now, compute_us));
         }
         if let Some(m) = compute_ms {
             let _ = self.mean_prefill_ms_bits.fetch_update(
@@ -207,10 +226,11 @@ impl LoadBook {
     }
 
     /// Queue ahead of a new prefill on `engine` at `now_ms`, ms, from
-    /// predicted compute: the larger of the work this replica's
-    /// outstanding prefills still have ([`LoadBook::remaining_ms`]) and the
-    /// engine's reported requests × the mean prediction (`None` before any
-    /// prediction was counted).
+    /// predicted compute: the larger of the work the outstanding prefills
+    /// of this replica, and of the others where they share their lines,
+    /// still have ([`LoadBook::remaining_ms`]) and the engine's reported
+    /// requests × the mean prediction (`None` before any prediction was
+    /// counted).
     pub fn queue_ms(&self, engine: u16, now_ms: u64) -> Option<f64> {
         let e = self.engines.get(usize::from(engine))?;
         let mean_bits = self.mean_prefill_ms_bits.load(Ordering::Relaxed);
@@ -227,22 +247,68 @@ impl LoadBook {
         Some(own.max(reported))
     }
 
-    /// Work this replica's outstanding prefills on `engine` still have at
-    /// `now_ms`, ms, as a first-come-first-served engine computes them: the
-    /// sum of their predicted compute less what the head of the line has
-    /// done since it became the head (at most its own prediction), so a P
-    /// deep into a long prefill does not look as busy as when it began.
+    /// Work the outstanding prefills on `engine` still have at `now_ms`,
+    /// ms, as a first-come-first-served engine computes them: this
+    /// replica's and, where replicas share their lines
+    /// ([`LoadBook::set_shared_line`]), the others', merged by when they
+    /// were sent. The sum of their predicted compute, less what the head of
+    /// the merged line has done since it could start (sent, and the one
+    /// before it finished), at most its own prediction: a P deep into a
+    /// long prefill does not look as busy as when it began.
     pub fn remaining_ms(&self, engine: u16, now_ms: u64) -> f64 {
         let Some(e) = self.engines.get(usize::from(engine)) else {
             return 0.0;
         };
-        let f = e.fifo.lock();
-        let Some(&(_, head_us)) = f.items.front() else {
+        let (own_head, own_total, own_done) = {
+            let f = e.fifo.lock();
+            (
+                f.items.front().map(|x| (x.1, x.2)),
+                f.items.iter().map(|x| x.2).sum::<u64>(),
+                f.last_done_ms,
+            )
+        };
+        let (shared_head, shared_total, shared_done) = {
+            let s = e.shared.lock();
+            (
+                s.items.iter().copied().min_by_key(|x| x.0),
+                s.items.iter().map(|x| x.1).sum::<u64>(),
+                s.last_done_ms,
+            )
+        };
+        let head = match (own_head, shared_head) {
+            (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        let Some((head_sent_ms, head_us)) = head else {
             return 0.0;
         };
-        let total_us: u64 = f.items.iter().map(|x| x.1).sum();
-        let done_us = now_ms.saturating_sub(f.head_since_ms).saturating_mul(1000);
-        total_us.saturating_sub(done_us.min(head_us)) as f64 / 1e3
+        let last_done = own_done.max(shared_done).unwrap_or(0);
+        let head_since_ms = head_sent_ms.max(last_done);
+        let done_us = now_ms.saturating_sub(head_since_ms).saturating_mul(1000);
+        (own_total + shared_total).saturating_sub(done_us.min(head_us)) as f64 / 1e3
+    }
+
+    /// This replica's line on `engine` at `now_ms`, to share with the
+    /// other replicas (`None` for an unknown engine).
+    pub fn own_line(&self, engine: u16, now_ms: u64) -> Option<OwnLine> {
+        let e = self.engines.get(usize::from(engine))?;
+        let f = e.fifo.lock();
+        Some(OwnLine {
+            items: f
+                .items
+                .iter()
+                .map(|x| (now_ms.saturating_sub(x.1), x.2))
+                .collect(),
+            last_done_age_ms: f.last_done_ms.map(|d| now_ms.saturating_sub(d)),
+        })
+    }
+
+    /// Replaces what the other replicas have outstanding on `engine`
+    /// (empty: nothing, or not shared).
+    pub fn set_shared_line(&self, engine: u16, line: SharedLine) {
+        if let Some(e) = self.engines.get(usize::from(engine)) {
+            *e.shared.lock() = line;
+        }
     }
 
     /// Records the KV cache usage `engine` reported (0..1; `None`: not
@@ -365,6 +431,51 @@ mod tests {
         drop(g2);
         assert_eq!(b.remaining_ms(0, 1600), 0.0);
         assert_eq!(b.remaining_ms(7, 0), 0.0, "unknown engine");
+    }
+
+    #[test]
+    fn shared_lines_merge_with_the_own_one_in_sending_order() {
+        let (b, clock) = book(2);
+        clock.advance(1000);
+        let _own = b.begin_prefill(0, 10, Some(300.0)); // sent at 1000
+        // Another replica sent 500 ms of work at 900 (ahead of ours) and
+        // 200 ms at 1050.
+        b.set_shared_line(
+            0,
+            SharedLine {
+                items: vec![(1050, 200_000), (900, 500_000)],
+                last_done_ms: None,
+            },
+        );
+        // The head is theirs, computing since 900: at 1000 it has 400 left.
+        assert_eq!(b.remaining_ms(0, 1000), 400.0 + 300.0 + 200.0);
+        // P finished their head at 1400 (they said so): ours computes since.
+        b.set_shared_line(
+            0,
+            SharedLine {
+                items: vec![(1050, 200_000)],
+                last_done_ms: Some(1400),
+            },
+        );
+        assert_eq!(b.remaining_ms(0, 1500), 200.0 + 200.0);
+        // Only shared work on an engine this replica sent nothing to.
+        b.set_shared_line(
+            1,
+            SharedLine {
+                items: vec![(1000, 100_000)],
+                last_done_ms: None,
+            },
+        );
+        assert_eq!(b.remaining_ms(1, 1030), 70.0);
+        let own = b.own_line(0, 1500).unwrap();
+        assert_eq!(
+            own.items,
+            vec![(500, 300_000)],
+            "only this replica's own line is shared"
+        );
+        assert_eq!(own.last_done_age_ms, None);
+        b.set_shared_line(1, SharedLine::default());
+        assert_eq!(b.remaining_ms(1, 1030), 0.0);
     }
 
     #[test]

@@ -387,6 +387,33 @@ impl Store {
         self.publish_len();
     }
 
+    /// Whether the store is shared by replicas (Redis).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.backend, Backend::Redis(_))
+    }
+
+    /// Shares this replica's load and reads every replica's
+    /// ([`redis::RedisStore::exchange_load`]); the memory store shares
+    /// nothing and answers `Ok(None)`.
+    ///
+    /// # Errors
+    /// [`StoreError`] from Redis (counted in `store_errors_total{op="load_share"}`).
+    pub async fn exchange_load(
+        &self,
+        replica: &str,
+        value: Vec<u8>,
+        ttl_ms: u64,
+        forget: &[String],
+    ) -> Result<Option<Vec<(String, Vec<u8>)>>, StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(None),
+            Backend::Redis(r) => r
+                .exchange_load(replica, value, ttl_ms, forget)
+                .await
+                .map(Some),
+        }
+    }
+
     /// Entries stored, 0 where unknown (Redis).
     pub fn len_or_zero(&self) -> usize {
         self.entries().unwrap_or(0)

@@ -220,6 +220,47 @@ impl RedisStore {
         }
     }
 
+    /// Shares this replica's load (`crate::load_share`) and reads every
+    /// replica's: one pipeline of `HDEL` (the `forget` fields: replicas
+    /// that stopped sharing), `HSET <prefix>:load <replica> <value>`,
+    /// `PEXPIRE` (`ttl_ms`: the hash goes when every replica stopped) and
+    /// `HGETALL`. Bounded by `store_timeout_ms` like every command.
+    ///
+    /// # Errors
+    /// [`StoreError`] when Redis cannot be reached in time or answers an
+    /// error.
+    pub async fn exchange_load(
+        &self,
+        replica: &str,
+        value: Vec<u8>,
+        ttl_ms: u64,
+        forget: &[String],
+    ) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let key = format!("{}:load", self.inner.opts.key_prefix);
+        let mut pipe = ::redis::pipe();
+        if !forget.is_empty() {
+            pipe.cmd("HDEL").arg(&key).arg(forget).ignore();
+        }
+        pipe.cmd("HSET").arg(&key).arg(replica).arg(value).ignore();
+        pipe.cmd("PEXPIRE").arg(&key).arg(ttl_ms.max(1)).ignore();
+        pipe.cmd("HGETALL").arg(&key);
+        let op = "load_share";
+        let (i, g, mut conn) = self.conn().inspect_err(|_| self.inner.metrics.error(op))?;
+        match tokio::time::timeout(
+            self.inner.opts.timeout,
+            pipe.query_async::<(Vec<(String, Vec<u8>)>,)>(&mut conn),
+        )
+        .await
+        {
+            Ok(Ok((all,))) => Ok(all),
+            Ok(Err(e)) => {
+                let broken = is_broken(&e);
+                Err(self.failed(op, i, g, StoreError::Redis(e.to_string()), broken))
+            }
+            Err(_) => Err(self.failed(op, i, g, StoreError::Timeout { op }, true)),
+        }
+    }
+
     fn decode(&self, bytes: &[u8], now_ms: u64) -> Result<StoredTurn, codec::DecodeError> {
         codec::decode(bytes, now_ms, |id| {
             self.inner

@@ -1,0 +1,190 @@
+//! What router replicas share of their prefill lines (pure: encoding and
+//! merging; the exchange itself is `crate::load_share`).
+//!
+//! Each replica knows exactly what it sent to each prefill engine and the
+//! compute it predicted for each ([`super::load::LoadBook`]); what P itself
+//! reports (`vllm:num_requests_waiting` + `running`, polled) is a count,
+//! costed at the mean prediction, and as old as the poll. Sharing the lines
+//! lets every replica's `queue(P)` sum the predicted work of every
+//! replica's outstanding prefills on P, in the order they were sent.
+//!
+//! Ages, not timestamps, travel: a share says how long ago each prefill was
+//! sent, as of the moment it was taken (`sent_unix_ms`, the only wall-clock
+//! value, is used to add the time the share spent in the store and to drop
+//! shares of replicas that stopped sharing).
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::load::{OwnLine, SharedLine};
+
+/// Version of the share format.
+pub const SHARE_VERSION: u8 = 1;
+
+/// One replica's lines, as stored (JSON, a few dozen bytes per prefill in
+/// flight).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadShare {
+    /// [`SHARE_VERSION`].
+    pub v: u8,
+    /// When the share was taken, Unix ms.
+    pub sent_unix_ms: u64,
+    /// Per prefill engine id, its line.
+    pub engines: BTreeMap<String, ShareLine>,
+}
+
+/// One engine's line in a share.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ShareLine {
+    /// `[age ms, predicted compute µs]` per outstanding prefill.
+    pub items: Vec<(u64, u64)>,
+    /// Time since the engine last finished this replica's head, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub done_age_ms: Option<u64>,
+}
+
+impl From<OwnLine> for ShareLine {
+    fn from(l: OwnLine) -> Self {
+        Self {
+            items: l.items,
+            done_age_ms: l.last_done_age_ms,
+        }
+    }
+}
+
+/// A share that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ShareError {
+    /// Not JSON of the share's shape (the message names the field).
+    #[error("load share: {0}")]
+    Format(#[from] serde_json::Error),
+    /// Another version.
+    #[error("load share: version {found}, expected {SHARE_VERSION}")]
+    Version {
+        /// The version found.
+        found: u8,
+    },
+}
+
+/// Decodes a stored share.
+///
+/// # Errors
+/// [`ShareError`] naming what is wrong.
+pub fn decode(bytes: &[u8]) -> Result<LoadShare, ShareError> {
+    let s: LoadShare = serde_json::from_slice(bytes)?;
+    if s.v != SHARE_VERSION {
+        return Err(ShareError::Version { found: s.v });
+    }
+    Ok(s)
+}
+
+/// Encodes a share.
+pub fn encode(s: &LoadShare) -> Vec<u8> {
+    serde_json::to_vec(s).unwrap_or_default()
+}
+
+/// Whether a share taken at `sent_unix_ms` is too old at `now_unix_ms` to
+/// count (its replica stopped sharing: gone, or cut off from the store).
+pub fn is_stale(sent_unix_ms: u64, now_unix_ms: u64, max_age_ms: u64) -> bool {
+    now_unix_ms.saturating_sub(sent_unix_ms) > max_age_ms
+}
+
+/// The other replicas' lines per engine id, on this replica's clock:
+/// `now_ms` (this replica's [`crate::clock::Clock`]) and `now_unix_ms` (wall
+/// clock) are the same instant. Stale shares are left out; a share from
+/// the future (clocks apart) counts as taken now.
+pub fn merge(
+    shares: &[LoadShare],
+    now_ms: u64,
+    now_unix_ms: u64,
+    max_age_ms: u64,
+) -> BTreeMap<String, SharedLine> {
+    let mut out: BTreeMap<String, SharedLine> = BTreeMap::new();
+    for s in shares {
+        if is_stale(s.sent_unix_ms, now_unix_ms, max_age_ms) {
+            continue;
+        }
+        let in_store_ms = now_unix_ms.saturating_sub(s.sent_unix_ms);
+        for (id, line) in &s.engines {
+            let m = out.entry(id.clone()).or_default();
+            m.items.extend(
+                line.items
+                    .iter()
+                    .map(|&(age, us)| (now_ms.saturating_sub(age + in_store_ms), us)),
+            );
+            if let Some(a) = line.done_age_ms {
+                let at = now_ms.saturating_sub(a + in_store_ms);
+                m.last_done_ms = Some(m.last_done_ms.map_or(at, |x| x.max(at)));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(sent: u64, engines: &[(&str, Vec<(u64, u64)>, Option<u64>)]) -> LoadShare {
+        LoadShare {
+            v: SHARE_VERSION,
+            sent_unix_ms: sent,
+            engines: engines
+                .iter()
+                .map(|(id, items, d)| {
+                    (
+                        id.to_string(),
+                        ShareLine {
+                            items: items.clone(),
+                            done_age_ms: *d,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn round_trips_and_refuses_other_versions_and_shapes() {
+        let s = share(
+            5,
+            &[("p0", vec![(10, 2000)], Some(3)), ("p1", vec![], None)],
+        );
+        let b = encode(&s);
+        assert_eq!(decode(&b).unwrap(), s);
+        let mut other = s.clone();
+        other.v = 9;
+        let e = decode(&encode(&other)).unwrap_err();
+        assert!(e.to_string().contains("version 9"), "{e}");
+        let e = decode(br#"{"v":1,"sent_unix_ms":"x","engines":{}}"#).unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn merge_puts_ages_on_this_clock_and_drops_stale_shares() {
+        // Now: 10_000 ms on this replica's clock, Unix 1_000_000.
+        let a = share(999_990, &[("p0", vec![(100, 5000)], Some(40))]);
+        let b = share(
+            1_000_000,
+            &[
+                ("p0", vec![(20, 7000)], Some(500)),
+                ("p1", vec![(0, 1)], None),
+            ],
+        );
+        let stale = share(990_000, &[("p0", vec![(0, 9)], None)]);
+        let m = merge(&[a, b, stale], 10_000, 1_000_000, 1000);
+        let p0 = &m["p0"];
+        // a: 100 ms old when taken, 10 ms in the store.
+        assert_eq!(p0.items, vec![(9_890, 5000), (9_980, 7000)]);
+        // The latest finish: a's, 50 ms ago.
+        assert_eq!(p0.last_done_ms, Some(9_950));
+        assert_eq!(m["p1"].items, vec![(10_000, 1)]);
+        assert!(is_stale(990_000, 1_000_000, 1000));
+        // From the future: counts as now.
+        let f = share(1_000_500, &[("p0", vec![(5, 1)], None)]);
+        assert_eq!(
+            merge(&[f], 10_000, 1_000_000, 1000)["p0"].items,
+            vec![(9_995, 1)]
+        );
+    }
+}
