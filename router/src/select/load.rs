@@ -226,25 +226,29 @@ impl LoadBook {
     }
 
     /// Queue ahead of a new prefill on `engine` at `now_ms`, ms, from
-    /// predicted compute: the larger of the work the outstanding prefills
-    /// of this replica, and of the others where they share their lines,
-    /// still have ([`LoadBook::remaining_ms`]) and the engine's reported
-    /// requests × the mean prediction (`None` before any prediction was
-    /// counted).
+    /// predicted compute: the work the prefills this replica knows of
+    /// (its own and, where replicas share their lines, the others') still
+    /// have ([`LoadBook::remaining_ms`]), plus the mean prediction for each
+    /// request the engine last reported beyond those (sent by routers that
+    /// do not share; `None` before any prediction was counted). Known
+    /// prefills are costed by their own predictions and progress, not as
+    /// the mean: a report counts a prefill about to finish like one just
+    /// begun.
     pub fn queue_ms(&self, engine: u16, now_ms: u64) -> Option<f64> {
         let e = self.engines.get(usize::from(engine))?;
         let mean_bits = self.mean_prefill_ms_bits.load(Ordering::Relaxed);
         if mean_bits == 0 {
             return None;
         }
-        let own = self.remaining_ms(engine, now_ms);
+        let known = self.remaining_ms(engine, now_ms);
         let n = e.reported_requests.load(Ordering::Relaxed);
-        let reported = if n == u32::MAX {
-            0.0
+        let unknown = if n == u32::MAX {
+            0
         } else {
-            f64::from(n) * f64::from_bits(mean_bits)
+            let known_items = e.fifo.lock().items.len() + e.shared.lock().items.len();
+            (n as usize).saturating_sub(known_items)
         };
-        Some(own.max(reported))
+        Some(known + unknown as f64 * f64::from_bits(mean_bits))
     }
 
     /// Work the outstanding prefills on `engine` still have at `now_ms`,
@@ -383,18 +387,37 @@ mod tests {
     }
 
     #[test]
-    fn queue_ms_is_the_larger_of_own_predictions_and_the_report() {
+    fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
         let (b, _) = book(2);
         assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
         let g = b.begin_prefill(0, 1000, Some(100.0));
         let _h = b.begin_prefill(0, 1000, Some(200.0)); // mean 100 + 0.2 × 100 = 120
         assert_eq!(b.queue_ms(0, 0), Some(300.0));
         assert_eq!(b.queue_ms(1, 0), Some(0.0));
+        // Two requests this replica does not know of: the mean each.
         b.set_reported_requests(1, Some(2));
         assert!((b.queue_ms(1, 0).unwrap() - 240.0).abs() < 1e-9);
         b.set_reported_requests(1, None);
-        assert_eq!(b.queue_ms(1, 0), Some(0.0), "not reported: own count only");
+        assert_eq!(b.queue_ms(1, 0), Some(0.0), "not reported: known work only");
+        // P reports 3: the two known ones by prediction, one more at the mean.
+        b.set_reported_requests(0, Some(3));
+        assert!((b.queue_ms(0, 0).unwrap() - 420.0).abs() < 1e-9);
+        // P reports fewer than are known (its report is older): known work.
+        b.set_reported_requests(0, Some(1));
+        assert_eq!(b.queue_ms(0, 0), Some(300.0));
+        // Shared lines are known too.
+        b.set_shared_line(
+            0,
+            SharedLine {
+                items: vec![(0, 50_000)],
+                last_done_ms: None,
+            },
+        );
+        b.set_reported_requests(0, Some(3));
+        assert_eq!(b.queue_ms(0, 0), Some(350.0));
         drop(g);
+        b.set_shared_line(0, SharedLine::default());
+        b.set_reported_requests(0, None);
         assert_eq!(b.queue_ms(0, 0), Some(200.0));
     }
 

@@ -11,13 +11,14 @@
 //!   the reusable prefix (pull it from the previous D, or recompute it),
 //!   predicted TTFT =
 //!   `queue(P) + reuse + suffix`, where
-//!   - `queue(P)` = the larger of the predicted compute the prefills
-//!     outstanding on P still have (this replica's, and with a Redis store
-//!     every replica's, shared every `load_share_interval_ms`: [`share`];
-//!     merged in sending order, the head's progress since it could start
-//!     deducted: [`load::LoadBook::remaining_ms`]) and P's own report (its
-//!     waiting and running requests, polled every `load_interval_ms`) ×
-//!     the mean predicted compute ([`load::LoadBook::queue_ms`]). Before any prediction was counted: this
+//!   - `queue(P)` = the predicted compute the prefills outstanding on P
+//!     still have (this replica's, and with a Redis store every replica's,
+//!     shared every `load_share_interval_ms`: [`share`]; merged in sending
+//!     order, the head's progress since it could start deducted:
+//!     [`load::LoadBook::remaining_ms`]), plus the mean predicted compute
+//!     for each request P's own report (its waiting and running requests,
+//!     polled every `load_interval_ms`) has beyond those
+//!     ([`load::LoadBook::queue_ms`]). Before any prediction was counted: this
 //!     replica's outstanding prefill tokens on P × P's ms per token (the
 //!     model's `prefill_ms_per_token`);
 //!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
