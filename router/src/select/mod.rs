@@ -31,11 +31,14 @@
 //!   lowest prediction wins; ties go to the shorter queue, then round-robin
 //!   order. D is chosen by load: not full (KV usage at least
 //!   [`FULL_KV_USAGE`] where reported), fewest in-flight decode streams,
-//!   lowest reported KV usage, then round-robin order. Where a healthy P has no valid model (none pushed,
-//!   lapsed, or confidence below [`SELECT_MIN_CONFIDENCE`]), or a pull is
-//!   possible and the (P, previous D) model is missing, predictions cannot be
-//!   compared: the turn falls back to round robin and the threshold rule
-//!   (reason `fallback_no_model`).
+//!   lowest reported KV usage, then round-robin order. A P whose (P,
+//!   previous D) model is not valid (none pushed, lapsed, or confidence below
+//!   [`SELECT_MIN_CONFIDENCE`]) has no pull option, only its recompute
+//!   option (costed with a model of another of its pairs). Where a healthy
+//!   P has no valid model at all, or a pull is possible and no P has a valid
+//!   model of the path from the previous D, predictions cannot be compared:
+//!   the turn falls back to round robin and the threshold rule (reason
+//!   `fallback_no_model`).
 //!
 //! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
 //! times of the chosen and the runner-up option (one line:
@@ -274,6 +277,7 @@ pub fn select(
     let decode_pick = pick_decode(decode, rr).expect("a healthy decode engine exists");
     let n_p = prefill.len();
     let mut options: Vec<(Prediction, usize)> = Vec::new();
+    let mut pull_paths = 0usize;
     for (pos, p) in prefill.iter().enumerate().filter(|(_, p)| p.healthy) {
         // P's compute model: the (P, previous D) pair's, else any pair of P's.
         let pull_model = prev.and_then(|d| valid(&pair(p.index, d).model).cloned());
@@ -285,9 +289,10 @@ pub fn select(
         let Some(m) = compute else {
             return Ok(fallback(SelectReason::FallbackNoModel));
         };
-        if prev.is_some() && pull_model.is_none() {
-            return Ok(fallback(SelectReason::FallbackNoModel));
-        }
+        // A P without a valid model of the path from the previous D keeps
+        // its recompute option; the turn falls back only when no P has one
+        // (below).
+        pull_paths += usize::from(pull_model.is_some());
         let (a, b) = (m.prefill_ms_per_token, m.prefill_ms_per_token_ctx);
         let per_token = p.measured_ms_per_token.unwrap_or(a);
         // The larger of this replica's own count and the engine's report
@@ -315,6 +320,10 @@ pub fn select(
         if let Some(x) = &pull_model {
             push(true, x.xfer_ms(rf));
         }
+    }
+    if prev.is_some() && pull_paths == 0 {
+        // Something to pull and no path model to cost it with.
+        return Ok(fallback(SelectReason::FallbackNoModel));
     }
     options.sort_by(|(x, rx), (y, ry)| {
         x.ttft_ms

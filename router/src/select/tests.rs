@@ -132,6 +132,34 @@ fn without_valid_models_predicted_falls_back_to_round_robin_and_threshold() {
     let no_path = |_, dd: u16| eff((dd != 2).then(|| model(0.001)));
     let s = select(Policy::PredictedTtft, &ps, &ds, &turn(500, 100), no_path, 0).unwrap();
     assert_eq!(s.reason, SelectReason::FallbackNoModel);
+    // A path model from one P only: the other P keeps its recompute option.
+    let p0_path = |pp: u16, dd: u16| eff((dd != 2 || pp == 0).then(|| model(0.001)));
+    let s = select(
+        Policy::PredictedTtft,
+        &ps,
+        &ds,
+        &turn(5000, 4000),
+        p0_path,
+        1,
+    )
+    .unwrap();
+    assert_eq!((s.prefill, s.reason), (0, SelectReason::PredictedPull));
+    let mut busy = ps;
+    busy[0].queue_ms = Some(10_000.0);
+    let s = select(
+        Policy::PredictedTtft,
+        &busy,
+        &ds,
+        &turn(500, 100),
+        p0_path,
+        0,
+    )
+    .unwrap();
+    assert_eq!(
+        (s.prefill, s.pull, s.reason),
+        (1, false, SelectReason::PredictedRecompute),
+        "P0's queue outweighs P1 recomputing; P1 has no pull option"
+    );
     // ... which is fine when there is nothing to pull.
     let s = select(Policy::PredictedTtft, &ps, &ds, &turn(500, 0), no_path, 0).unwrap();
     assert_eq!(s.reason, SelectReason::PredictedRecompute);

@@ -226,13 +226,15 @@ fn event_lines(run: &PolicyRun) -> Vec<String> {
         let lost = run
             .records
             .iter()
-            .filter(|x| x.turn > 0 && x.t_ms >= k && x.error.is_none())
+            // A retry is the turn that was in flight on the killed replica
+            // (which may have taken its stored turn already): not a later one.
+            .filter(|x| x.turn > 0 && x.t_ms >= k && x.error.is_none() && !x.retry)
             .filter(|x| {
                 x.route.as_deref().and_then(|l| route_field(l, "decision")) == Some("no_entry")
             })
             .count();
         out.push(format!(
-            "replica 1 killed at {:.1} s, back at {:.1} s: {failed} requests failed (in flight on it), {retried_ok} retried on replica 0 and answered, {over} sent to replica 0 while it was down; {lost} later turns found no stored turn (reuse lost)",
+            "replica 1 killed at {:.1} s, back at {:.1} s: {failed} requests failed (in flight on it), {retried_ok} retried on replica 0 and answered, {over} sent to replica 0 while it was down; {lost} later turns found no stored turn (reuse lost beyond the turns in flight)",
             k / 1e3,
             r / 1e3
         ));
