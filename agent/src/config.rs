@@ -72,7 +72,7 @@ pub struct AgentConfig {
     /// The READ-site probes time every READ of at least
     /// `read_site_full_bytes` and one in `read_site_sample_every` of the
     /// smaller ones, counted that many times in the histograms (a probed
-    /// READ costs about 1.5 µs of CPU) [16; 1 probes every READ].
+    /// READ costs about 2 µs of CPU) [32; 1 probes every READ].
     pub read_site_sample_every: u32,
     /// See `read_site_sample_every` [1048576].
     pub read_site_full_bytes: u64,

@@ -4,12 +4,18 @@
 //!    `_done`) with no probe, with the kvloop uprobes attached, and detached
 //!    again. Target: ≤ 1 µs per probed event.
 //! 2. READ throughput through kvloop's dataplane (two engines in this
-//!    process) at 64 KiB and 1 MiB, every probe detached vs attached
-//!    (tracepoints + USDT sites, + NIXL library probes on the NIXL backend),
-//!    alternating rounds, with this process's CPU time per READ and the CPU
-//!    the probes add per READ. Target: ≤ 1 % loss at ≥ 64 KiB.
+//!    process) at 64 KiB and 1 MiB on `tcp;ofi_rxm`, `shm` and NIXL (UCX),
+//!    every probe detached vs what the agent attaches for its own READs
+//!    (tracepoints + USDT sites), alternating rounds, with this process's
+//!    CPU time per READ and the CPU the probes add per READ. Target: ≤ 1 %
+//!    of a 64 KiB READ's CPU. On NIXL a third mode also attaches the
+//!    observe-mode library probes (`postXferReq` / `getXferStatus`) to this
+//!    process's own libnixl: they exist to time stock engines' READs, and
+//!    every `getXferStatus` call traps, so a caller that polls it in a loop
+//!    (kvloop's caller-driven progress) pays one trap per poll.
 //!
-//! `KVLOOP_BENCH_SITE_SAMPLE_EVERY` sets the READ-site sampling of small
+//! `KVLOOP_BENCH_PROGRAMS=1` adds one row per BPF program that ran in each
+//! attached mode (runs per READ, ns per run). `KVLOOP_BENCH_SITE_SAMPLE_EVERY` sets the READ-site sampling of small
 //! READs (default 16, the agent's default; 1 probes every READ, as a process
 //! that never sets it).
 //!
@@ -115,6 +121,12 @@ fn main() {
         (v[0], v[v.len() / 2])
     };
     let (base_min, _) = stat(&rows[0].1);
+    // The uprobe mechanism alone (trap, return, an empty program), ns per hit.
+    let mut trap_ns = if rows[1].1.is_empty() {
+        0.0
+    } else {
+        stat(&rows[1].1).0 - base_min
+    };
     for (name, v) in &rows {
         if v.is_empty() {
             continue;
@@ -148,6 +160,10 @@ fn main() {
                     .map(|(_, r, t)| (*r, *t))
                     .unwrap_or((0, 0));
                 let (runs, ns) = (runs - r0, ns - n0);
+                if name == "kvloop_noop" && runs > 0 {
+                    // The empty program's own time is counted by the stats.
+                    trap_ns = (trap_ns - ns as f64 / runs as f64).max(0.0);
+                }
                 if runs > 0 && (name.starts_with("kvloop_read") || name == "kvloop_noop") {
                     println!(
                         "| (time inside `{name}`, BPF stats) | {runs} | {:.1} | - | - |",
@@ -173,12 +189,14 @@ fn main() {
         "CPU µs/READ: this process's CPU time (every thread, user + kernel, both engines) per READ."
     );
     println!(
-        "CPU added: median over paired rounds of attached − detached, and its share of detached.\n"
+        "Probe CPU accounted: uprobe hits × the trap cost measured above ({trap_ns:.0} ns, the empty program's own time taken out)\n\
+         + time inside every program (kernel BPF run-time statistics), per READ and as a share of the detached CPU per READ.\n\
+         CPU added, measured: median over paired rounds of attached − detached, and its share of detached (noisy on a shared machine).\n"
     );
     println!(
-        "| backend | READ size | probes | READs | GiB/s | p50 µs | CPU µs/READ | CPU added per READ | throughput change |"
+        "| backend | READ size | probes | READs | GiB/s | p50 µs | CPU µs/READ | probe CPU per READ, accounted | CPU added per READ, measured | throughput change |"
     );
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -188,7 +206,7 @@ fn main() {
     if std::env::var("KVLOOP_BENCH_SITES_ONLY").is_ok() {
         return;
     }
-    for backend in ["shm", "nixl"] {
+    for backend in ["tcp;ofi_rxm", "shm", "nixl"] {
         if backend == "nixl" && !nixl_ok {
             println!(
                 "| nixl | - | - | - | - | - | - | - | runtime missing at {} |",
@@ -202,9 +220,9 @@ fn main() {
                 size,
                 secs,
                 probes.as_ref(),
-                &exe,
-                pid,
+                (&exe, pid),
                 &nixl_dir,
+                trap_ns,
             ));
             if let Err(e) = r {
                 println!("| {backend} | {size} | - | - | - | - | - | - | error: {e} |");
@@ -246,9 +264,9 @@ async fn throughput(
     size: u64,
     secs: f64,
     probes: Option<&Probes>,
-    exe: &std::path::Path,
-    pid: u32,
+    (exe, pid): (&std::path::Path, u32),
     nixl_dir: &std::path::Path,
+    trap_ns: f64,
 ) -> anyhow::Result<()> {
     use kvloop_dataplane::fabric::FabricConfig;
     use kvloop_dataplane::nixl::NixlConfig;
@@ -257,8 +275,8 @@ async fn throughput(
     };
     let cfg = match backend {
         "nixl" => BackendConfig::Nixl(NixlConfig::default()),
-        _ => BackendConfig::Libfabric(FabricConfig {
-            provider: "shm".into(),
+        provider => BackendConfig::Libfabric(FabricConfig {
+            provider: provider.into(),
             ..Default::default()
         }),
     };
@@ -325,33 +343,74 @@ async fn throughput(
         anyhow::Ok(r)
     };
     round(Duration::from_millis(200)).await?; // warm-up
-    let attach = |on: bool| -> anyhow::Result<()> {
+    // What is attached in each mode: 0 nothing; 1 what the agent loads for
+    // its own READs (tracepoints + the READ sites); 2 (NIXL) also the
+    // observe-mode library probes on this process's libnixl, which the
+    // NIXL backend polls (`getXferStatus`) while it drives a READ.
+    let modes: &[&str] = if backend == "nixl" {
+        &[
+            "detached",
+            "attached (tracepoints + sites)",
+            "attached (+ NIXL lib, observe mode)",
+        ]
+    } else {
+        &["detached", "attached (tracepoints + sites)"]
+    };
+    let attach = |mode: usize| -> anyhow::Result<()> {
         if let Some(pr) = probes {
             pr.detach_all()?;
-            if on {
+            if mode >= 1 {
                 pr.attach_tracepoints()?;
                 pr.attach_transfer_sites(exe, Some(pid))?;
-                if backend == "nixl" {
-                    pr.attach_nixl(nixl_dir.join("libnixl.so"), Some(pid))?;
-                }
+            }
+            if mode >= 2 {
+                pr.attach_nixl(nixl_dir.join("libnixl.so"), Some(pid))?;
             }
         }
         Ok(())
     };
-    // ABAB… rounds: detached, attached, 6 pairs; the change is the median of
-    // the per-pair throughput ratios (robust to drift in machine load)
-    let mut off = Vec::new();
-    let mut on = Vec::new();
+    // ABAB… rounds (ABCABC… with three modes), 6 of each: the change is the
+    // median of the per-round ratios to the detached round before it
+    // (robust to drift in machine load).
+    let n_modes = if probes.is_some() { modes.len() } else { 1 };
+    let mut rounds: Vec<Vec<Round>> = (0..n_modes).map(|_| Vec::new()).collect();
+    // Per mode: uprobe hits and ns inside every program (BPF run-time
+    // statistics; tracepoints count every process's hits).
+    let mut accounted = vec![(0u64, 0u64); n_modes];
+    let mut per_program: Vec<std::collections::BTreeMap<String, (u64, u64)>> =
+        vec![Default::default(); n_modes];
+    let _stats = probes.and_then(|_| kvloop_probes::enable_run_time_stats().ok());
+    let totals = |pr: &Probes| {
+        pr.program_stats()
+            .into_iter()
+            .fold((0u64, 0u64), |(u, ns), (name, runs, t)| {
+                let uprobe = name.starts_with("kvloop_read") || name.starts_with("nixl_");
+                (u + if uprobe { runs } else { 0 }, ns + t)
+            })
+    };
     let dur = Duration::from_secs_f64(secs / 6.0);
     for _ in 0..6 {
-        attach(false)?;
-        off.push(round(dur).await?);
-        if probes.is_some() {
-            attach(true)?;
-            on.push(round(dur).await?);
+        for (m, rs) in rounds.iter_mut().enumerate() {
+            attach(m)?;
+            let before = probes.map(|pr| (totals(pr), pr.program_stats()));
+            rs.push(round(dur).await?);
+            if let (Some(pr), Some(((u0, t0), progs0))) = (probes, before) {
+                let (u1, t1) = totals(pr);
+                accounted[m].0 += u1 - u0;
+                accounted[m].1 += t1 - t0;
+                for (name, runs, ns) in pr.program_stats() {
+                    let (r0, n0) = progs0
+                        .iter()
+                        .find(|(n, _, _)| *n == name)
+                        .map_or((0, 0), |(_, r, t)| (*r, *t));
+                    let e = per_program[m].entry(name).or_default();
+                    e.0 += runs - r0;
+                    e.1 += ns - n0;
+                }
+            }
         }
     }
-    attach(false)?;
+    attach(0)?;
     let summarize = |rs: &[Round]| {
         let reads: u64 = rs.iter().map(|r| r.reads).sum();
         let bytes: u64 = rs.iter().map(|r| r.bytes).sum();
@@ -367,45 +426,58 @@ async fn throughput(
             cpu * 1e6 / reads.max(1) as f64,
         )
     };
-    let (r0, g0, l0, c0) = summarize(&off);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    let (r0, g0, l0, c0) = summarize(&rounds[0]);
     println!(
-        "| {backend} | {} KiB | detached | {r0} | {g0:.2} | {l0:.1} | {c0:.2} | - | - |",
+        "| {backend} | {} KiB | detached | {r0} | {g0:.2} | {l0:.1} | {c0:.2} | - | - | - |",
         size / 1024
     );
-    if !on.is_empty() {
-        let (r1, g1, l1, c1) = summarize(&on);
-        let what = if backend == "nixl" {
-            "attached (tracepoints + sites + NIXL lib)"
-        } else {
-            "attached (tracepoints + sites)"
-        };
-        let mut ratios: Vec<f64> = off
-            .iter()
-            .zip(&on)
-            .map(|(a, b)| {
-                let ta = a.bytes as f64 / a.elapsed.as_secs_f64();
-                let tb = b.bytes as f64 / b.elapsed.as_secs_f64();
-                tb / ta
-            })
-            .collect();
-        ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let med = ratios[ratios.len() / 2];
+    for (m, on) in rounds.iter().enumerate().skip(1) {
+        let off = &rounds[0];
+        let (r1, g1, l1, c1) = summarize(on);
+        let med = median(
+            off.iter()
+                .zip(on)
+                .map(|(a, b)| {
+                    let ta = a.bytes as f64 / a.elapsed.as_secs_f64();
+                    let tb = b.bytes as f64 / b.elapsed.as_secs_f64();
+                    tb / ta
+                })
+                .collect(),
+        );
         // CPU added per READ: median of the paired rounds' differences.
-        let mut added: Vec<f64> = off
-            .iter()
-            .zip(&on)
-            .map(|(a, b)| b.cpu_us_per_read() - a.cpu_us_per_read())
-            .collect();
-        added.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let added_med = added[added.len() / 2];
+        let added_med = median(
+            off.iter()
+                .zip(on)
+                .map(|(a, b)| b.cpu_us_per_read() - a.cpu_us_per_read())
+                .collect(),
+        );
+        let (hits, prog_ns) = accounted[m];
+        let acc_us = (hits as f64 * trap_ns + prog_ns as f64) / 1e3 / r1.max(1) as f64;
         println!(
-            "| {backend} | {} KiB | {what} | {r1} | {g1:.2} | {l1:.1} | {c1:.2} | {added_med:+.2} µs ({:+.1} %) | {:+.1} % (median of {} paired rounds; all-rounds {:+.1} %) |",
+            "| {backend} | {} KiB | {} | {r1} | {g1:.2} | {l1:.1} | {c1:.2} | {acc_us:.3} µs ({:.2} %; {:.2} uprobe hits/READ) | {added_med:+.2} µs ({:+.1} %) | {:+.1} % (median of {} paired rounds; all-rounds {:+.1} %) |",
             size / 1024,
+            modes[m],
+            acc_us / c0 * 100.0,
+            hits as f64 / r1.max(1) as f64,
             added_med / c0 * 100.0,
             (med - 1.0) * 100.0,
-            ratios.len(),
+            off.len(),
             (g1 / g0 - 1.0) * 100.0
         );
+        if std::env::var_os("KVLOOP_BENCH_PROGRAMS").is_some() {
+            for (name, (runs, ns)) in per_program[m].iter().filter(|(_, v)| v.0 > 0) {
+                println!(
+                    "|  |  | `{name}` | {runs} runs | {:.2} runs/READ | {:.0} ns/run | {:.3} µs/READ |  |  |  |",
+                    *runs as f64 / r1.max(1) as f64,
+                    *ns as f64 / *runs as f64,
+                    *ns as f64 / 1e3 / r1.max(1) as f64
+                );
+            }
+        }
     }
     Ok(())
 }
