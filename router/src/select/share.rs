@@ -125,7 +125,10 @@ pub fn merge(
 mod tests {
     use super::*;
 
-    fn share(sent: u64, engines: &[(&str, Vec<(u64, u64)>, Option<u64>)]) -> LoadShare {
+    /// `(engine id, [age ms, compute µs], done age ms)`.
+    type Line<'a> = (&'a str, Vec<(u64, u64)>, Option<u64>);
+
+    fn share(sent: u64, engines: &[Line<'_>]) -> LoadShare {
         LoadShare {
             v: SHARE_VERSION,
             sent_unix_ms: sent,
