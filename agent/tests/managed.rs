@@ -58,23 +58,13 @@ fn config(
     peer: &str,
     peer_http: u16,
 ) -> std::path::PathBuf {
-    let sock = dir.join(format!("{name}.sock"));
-    let text = format!(
+    let tables = format!(
         r#"
-agent_id = "{name}"
-node_addr = "127.0.0.1"
-http_listen = "127.0.0.1:{http}"
-socket_path = "{}"
-backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
-push_period_ms = 300
 [lease]
 safety_margin_ms = 2000
 [probe]
 period_ms = 500
 large_blocks = 4
-[[peers]]
-name = "{peer}"
-http = "127.0.0.1:{peer_http}"
 # A router that is down (nothing listens on port 1): pushes fail and are
 # retried in their own task; nothing else waits for them.
 [[routers]]
@@ -85,12 +75,15 @@ prefill_engine_id = "p0"
 decode_engine_id = "d0"
 decode_peer = "{peer}"
 bytes_per_token = 1024
-"#,
-        sock.display()
+"#
     );
-    let p = dir.join(format!("{name}.toml"));
-    std::fs::write(&p, text).unwrap();
-    p
+    common::loopback_agent_toml(
+        dir,
+        name,
+        (http, peer, peer_http),
+        "push_period_ms = 300",
+        &tables,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

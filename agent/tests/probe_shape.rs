@@ -28,26 +28,8 @@ fn config(
     peer: &str,
     peer_http: u16,
 ) -> std::path::PathBuf {
-    let sock = dir.join(format!("{name}.sock"));
-    let text = format!(
-        r#"
-agent_id = "{name}"
-node_addr = "127.0.0.1"
-http_listen = "127.0.0.1:{http}"
-socket_path = "{}"
-backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
-[probe]
-period_ms = 200
-large_blocks = 4
-[[peers]]
-name = "{peer}"
-http = "127.0.0.1:{peer_http}"
-"#,
-        sock.display()
-    );
-    let p = dir.join(format!("{name}.toml"));
-    std::fs::write(&p, text).unwrap();
-    p
+    let probe = "[probe]\nperiod_ms = 200\nlarge_blocks = 4\n";
+    common::loopback_agent_toml(dir, name, (http, peer, peer_http), "", probe)
 }
 
 /// The summed `kvloop_agent_probe_reads_total` of `shape` with result ok.
