@@ -108,6 +108,8 @@ pub struct Span {
 /// One routed turn as the oracle sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Turn {
+    /// The router's request id (for the costliest-turns list).
+    pub request_id: String,
     /// When it reached P (or was sent), Unix ms.
     pub at_ms: f64,
     /// Prompt tokens.
@@ -131,8 +133,42 @@ pub fn backlog_ms(spans: &[Span], p: &str, t: f64) -> f64 {
         .sum()
 }
 
+/// How many of a run's costliest turns [`Regret::worst`] keeps.
+pub const WORST_TURNS: usize = 5;
+
+/// One option of a turn and its oracle cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Costed {
+    /// Prefill engine id.
+    pub prefill: String,
+    /// Pull (else recompute).
+    pub pull: bool,
+    /// Oracle cost, ms.
+    pub cost_ms: f64,
+}
+
+/// A turn whose choice cost more than the oracle's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnLoss {
+    /// The turn's request id.
+    pub request_id: String,
+    /// When it reached P, Unix ms.
+    pub at_ms: f64,
+    /// The choice made.
+    pub chosen: Costed,
+    /// The oracle's choice.
+    pub best: Costed,
+}
+
+impl TurnLoss {
+    /// `chosen − best`, ms.
+    pub fn loss_ms(&self) -> f64 {
+        self.chosen.cost_ms - self.best.cost_ms
+    }
+}
+
 /// The regret of a run's choices.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Regret {
     /// Σ cost of the chosen options, ms.
     pub chosen_ms: f64,
@@ -142,6 +178,9 @@ pub struct Regret {
     pub turns: usize,
     /// Turns whose choice was the cheapest (within 1 %).
     pub best_chosen: usize,
+    /// The [`WORST_TURNS`] turns that cost the most over the oracle, worst
+    /// first.
+    pub worst: Vec<TurnLoss>,
 }
 
 impl Regret {
@@ -186,16 +225,40 @@ pub fn regret(
         let Some(chosen) = cost(&t.prefill, t.pulled) else {
             continue;
         };
-        let best = prefills
-            .iter()
-            .flat_map(|p| [cost(p, false), cost(p, true)])
-            .flatten()
-            .fold(chosen, f64::min);
+        let mut best = Costed {
+            prefill: t.prefill.clone(),
+            pull: t.pulled,
+            cost_ms: chosen,
+        };
+        for p in prefills {
+            for pull in [false, true] {
+                if let Some(c) = cost(p, pull).filter(|c| *c < best.cost_ms) {
+                    best = Costed {
+                        prefill: p.clone(),
+                        pull,
+                        cost_ms: c,
+                    };
+                }
+            }
+        }
         r.chosen_ms += chosen;
-        r.oracle_ms += best;
+        r.oracle_ms += best.cost_ms;
         r.turns += 1;
-        if chosen <= best * 1.01 {
+        if chosen <= best.cost_ms * 1.01 {
             r.best_chosen += 1;
+        } else {
+            r.worst.push(TurnLoss {
+                request_id: t.request_id.clone(),
+                at_ms: t.at_ms,
+                chosen: Costed {
+                    prefill: t.prefill.clone(),
+                    pull: t.pulled,
+                    cost_ms: chosen,
+                },
+                best,
+            });
+            r.worst.sort_by(|a, b| b.loss_ms().total_cmp(&a.loss_ms()));
+            r.worst.truncate(WORST_TURNS);
         }
     }
     r
@@ -225,6 +288,7 @@ mod tests {
 
     fn turn(p: &str, pulled: bool) -> Turn {
         Turn {
+            request_id: format!("t-{p}-{pulled}"),
             at_ms: 1000.0,
             prompt_tokens: 2000,
             reusable_tokens: 1000,
@@ -286,6 +350,11 @@ mod tests {
         // Slow pull: 1000 + 100 = 1100 ms vs 110 → regret 9×.
         let bad = regret(&[turn("p1", true)], &[], &ps, &FLAT, xfer);
         assert!((bad.ratio() - 9.0).abs() < 1e-9, "{bad:?}");
+        // ... listed as the worst turn, with the oracle's choice.
+        let w = &bad.worst[0];
+        assert_eq!((w.best.prefill.as_str(), w.best.pull), ("p0", true));
+        assert!((w.loss_ms() - 990.0).abs() < 1e-9, "{w:?}");
+        assert!(good.worst.is_empty());
         // Recompute on p1 (200 ms) vs 110.
         let rec = regret(&[turn("p1", false)], &[], &ps, &FLAT, xfer);
         assert!((rec.ratio() - 90.0 / 110.0).abs() < 1e-9);

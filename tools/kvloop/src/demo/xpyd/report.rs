@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde_json::{Value, json};
 
 use super::drive::{Rec, route_field};
-use super::oracle::{Line, Profile, Span, Turn, quantile, regret};
+use super::oracle::{Costed, Line, Profile, Span, Turn, TurnLoss, quantile, regret};
 use super::{ClusterArgs, PolicyRun};
 
 /// Where the links are.
@@ -40,6 +40,8 @@ struct Row {
     best_chosen: usize,
     costed: usize,
     wall_s: f64,
+    /// The turns that cost the most over the oracle, one line each.
+    worst_turns: Vec<String>,
 }
 
 fn f(v: &Value, k: &str) -> f64 {
@@ -121,6 +123,8 @@ fn row(
 ) -> Row {
     let ok: Vec<&Rec> = run.records.iter().filter(|r| r.error.is_none()).collect();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
+    // The run's start, Unix ms (each record: sent at `t_ms` after it).
+    let start_ms = run.records.first().map_or(0.0, |r| r.sent_unix_ms - r.t_ms);
     let mut reasons = BTreeMap::new();
     let (mut pulled, mut recomputed) = (0, 0);
     for r in &ok {
@@ -167,6 +171,7 @@ fn row(
             let l = r.route.as_deref()?;
             let p = pre.get(r.request_id.as_str())?;
             Some(Turn {
+                request_id: r.request_id.clone(),
                 at_ms: f(p, "arrived_unix_ms") - 0.001,
                 prompt_tokens: p.get("prompt_tokens").and_then(Value::as_u64)?,
                 reusable_tokens: route_field(l, "reusable")
@@ -202,7 +207,28 @@ fn row(
         best_chosen: rg.best_chosen,
         costed: rg.turns,
         wall_s: run.wall_s,
+        worst_turns: rg.worst.iter().map(|w| worst_line(w, start_ms)).collect(),
     }
+}
+
+/// One costly turn in words: when, the choice and the oracle's, their costs.
+fn worst_line(w: &TurnLoss, start_unix_ms: f64) -> String {
+    let opt = |c: &Costed| {
+        format!(
+            "{} {} ({:.0} ms)",
+            c.prefill,
+            if c.pull { "pull" } else { "recompute" },
+            c.cost_ms
+        )
+    };
+    format!(
+        "{} at {:.1} s: chose {}, oracle {}: +{:.0} ms",
+        w.request_id,
+        (w.at_ms - start_unix_ms) / 1e3,
+        opt(&w.chosen),
+        opt(&w.best),
+        w.loss_ms()
+    )
 }
 
 /// What each event did in `run`, in words.
@@ -356,6 +382,13 @@ pub(super) fn finish(
         for r in rows.iter().filter(|r| &r.scenario == scenario) {
             let list: Vec<String> = r.reasons.iter().map(|(k, v)| format!("{k}: {v}")).collect();
             let _ = writeln!(text, "- {}: {}", r.policy, list.join(", "));
+        }
+        let _ = writeln!(text, "\ncostliest turns against the oracle:");
+        for r in rows.iter().filter(|r| &r.scenario == scenario) {
+            if r.worst_turns.is_empty() {
+                continue;
+            }
+            let _ = writeln!(text, "- {}: {}", r.policy, r.worst_turns.join("; "));
         }
         let mut lines_shown = false;
         for r in &sruns {
