@@ -73,20 +73,38 @@ pub fn loopback_agent_toml(
     peer: &str,
     peer_http: u16,
 ) -> String {
+    loopback_agent_toml_with(
+        name,
+        http,
+        socket,
+        (peer, peer_http),
+        "",
+        "[lease]\nsafety_margin_ms = 1000\n[probe]\nperiod_ms = 1000\nlarge_blocks = 4\n",
+    )
+}
+
+/// [`loopback_agent_toml`]'s agent, peer and backend with the caller's
+/// `top` (top-level keys, e.g. `push_period_ms = 300`) and `tables` (TOML
+/// tables, e.g. `[probe]`) in place of its lease and probe settings.
+pub fn loopback_agent_toml_with(
+    name: &str,
+    http: u16,
+    socket: &std::path::Path,
+    (peer, peer_http): (&str, u16),
+    top: &str,
+    tables: &str,
+) -> String {
     format!(
         r#"agent_id = "{name}"
 node_addr = "127.0.0.1"
 http_listen = "127.0.0.1:{http}"
 socket_path = "{}"
 backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
-[lease]
-safety_margin_ms = 1000
-[probe]
-period_ms = 1000
-large_blocks = 4
+{top}
 [[peers]]
 name = "{peer}"
 http = "127.0.0.1:{peer_http}"
+{tables}
 "#,
         socket.display()
     )

@@ -57,10 +57,9 @@ impl AgentProc {
     }
 }
 
-/// Writes `<dir>/<name>.toml` for an agent on loopback: `agent_id = name`,
-/// HTTP on `http`, socket `<dir>/<name>.sock`, `tcp;ofi_rxm`, one peer
-/// (`peer` at `peer_http`), then `top` (top-level keys) and `tables` (TOML
-/// tables, e.g. `[probe]`), and returns its path.
+/// Writes `<dir>/<name>.toml`, the workspace tests' loopback agent
+/// ([`kvloop_tests::loopback_agent_toml_with`]) with its socket at
+/// `<dir>/<name>.sock`, and returns its path.
 pub fn loopback_agent_toml(
     dir: &Path,
     name: &str,
@@ -69,21 +68,8 @@ pub fn loopback_agent_toml(
     tables: &str,
 ) -> PathBuf {
     let sock = dir.join(format!("{name}.sock"));
-    let text = format!(
-        r#"
-agent_id = "{name}"
-node_addr = "127.0.0.1"
-http_listen = "127.0.0.1:{http}"
-socket_path = "{}"
-backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
-{top}
-[[peers]]
-name = "{peer}"
-http = "127.0.0.1:{peer_http}"
-{tables}
-"#,
-        sock.display()
-    );
+    let text =
+        kvloop_tests::loopback_agent_toml_with(name, http, &sock, (peer, peer_http), top, tables);
     let p = dir.join(format!("{name}.toml"));
     std::fs::write(&p, text).unwrap();
     p
