@@ -209,8 +209,24 @@ impl RedisStore {
         op: &'static str,
         cmd: ::redis::Cmd,
     ) -> Result<T, StoreError> {
-        let (i, g, mut conn) = self.conn().inspect_err(|_| self.inner.metrics.error(op))?;
-        match tokio::time::timeout(self.inner.opts.timeout, cmd.query_async::<T>(&mut conn)).await {
+        self.query(op, |mut conn| async move {
+            cmd.query_async::<T>(&mut conn).await
+        })
+        .await
+    }
+
+    /// Runs `f` on a pooled connection, bounded by `store_timeout_ms`; a
+    /// failure is counted under `op`, and a broken connection leaves the pool.
+    async fn query<T, Fut>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(MultiplexedConnection) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: std::future::Future<Output = ::redis::RedisResult<T>>,
+    {
+        let (i, g, conn) = self.conn().inspect_err(|_| self.inner.metrics.error(op))?;
+        match tokio::time::timeout(self.inner.opts.timeout, f(conn)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
                 let broken = is_broken(&e);
@@ -244,21 +260,12 @@ impl RedisStore {
         pipe.cmd("HSET").arg(&key).arg(replica).arg(value).ignore();
         pipe.cmd("PEXPIRE").arg(&key).arg(ttl_ms.max(1)).ignore();
         pipe.cmd("HGETALL").arg(&key);
-        let op = "load_share";
-        let (i, g, mut conn) = self.conn().inspect_err(|_| self.inner.metrics.error(op))?;
-        match tokio::time::timeout(
-            self.inner.opts.timeout,
-            pipe.query_async::<(Vec<(String, Vec<u8>)>,)>(&mut conn),
-        )
-        .await
-        {
-            Ok(Ok((all,))) => Ok(all),
-            Ok(Err(e)) => {
-                let broken = is_broken(&e);
-                Err(self.failed(op, i, g, StoreError::Redis(e.to_string()), broken))
-            }
-            Err(_) => Err(self.failed(op, i, g, StoreError::Timeout { op }, true)),
-        }
+        let (all,): (Vec<(String, Vec<u8>)>,) = self
+            .query("load_share", |mut conn| async move {
+                pipe.query_async(&mut conn).await
+            })
+            .await?;
+        Ok(all)
     }
 
     fn decode(&self, bytes: &[u8], now_ms: u64) -> Result<StoredTurn, codec::DecodeError> {
