@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::clock::unix_ms;
 use crate::config::Policy;
 use crate::select::load::SharedLine;
-use crate::select::share::{self, LoadShare, SHARE_VERSION, ShareLine};
+use crate::select::share::{self, LoadShare, SHARE_VERSION};
 use crate::state::AppState;
 
 /// Periods after which another replica's share no longer counts.
@@ -44,7 +44,7 @@ impl AppState {
             .filter_map(|&i| {
                 let id = self.registry.get(i)?.engine_id.clone();
                 let line = self.load.own_line(i, now)?;
-                Some((id, ShareLine::from(line)))
+                Some((id, line))
             })
             .collect();
         LoadShare {

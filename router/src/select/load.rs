@@ -31,14 +31,16 @@ pub struct SharedLine {
     pub last_done_ms: Option<u64>,
 }
 
-/// One replica's line on one engine as it shares it: ages relative to the
-/// moment it is taken, so that no two replicas' clocks need to agree.
-#[derive(Default, Clone, Debug, PartialEq)]
-pub struct OwnLine {
-    /// `(age ms, predicted compute µs)`, oldest first.
+/// One replica's line on one engine as it shares it (the wire form of
+/// [`super::share::LoadShare`]'s lines): ages relative to the moment it is
+/// taken, so that no two replicas' clocks need to agree.
+#[derive(Default, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ShareLine {
+    /// `[age ms, predicted compute µs]` per outstanding prefill, oldest first.
     pub items: Vec<(u64, u64)>,
     /// Time since the engine last finished this replica's head, ms.
-    pub last_done_age_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub done_age_ms: Option<u64>,
 }
 
 /// Weight of a new sample in the measured prefill cost (EWMA).
@@ -294,16 +296,16 @@ impl LoadBook {
 
     /// This replica's line on `engine` at `now_ms`, to share with the
     /// other replicas (`None` for an unknown engine).
-    pub fn own_line(&self, engine: u16, now_ms: u64) -> Option<OwnLine> {
+    pub fn own_line(&self, engine: u16, now_ms: u64) -> Option<ShareLine> {
         let e = self.engines.get(usize::from(engine))?;
         let f = e.fifo.lock();
-        Some(OwnLine {
+        Some(ShareLine {
             items: f
                 .items
                 .iter()
                 .map(|x| (now_ms.saturating_sub(x.1), x.2))
                 .collect(),
-            last_done_age_ms: f.last_done_ms.map(|d| now_ms.saturating_sub(d)),
+            done_age_ms: f.last_done_ms.map(|d| now_ms.saturating_sub(d)),
         })
     }
 
@@ -496,7 +498,7 @@ mod tests {
             vec![(500, 300_000)],
             "only this replica's own line is shared"
         );
-        assert_eq!(own.last_done_age_ms, None);
+        assert_eq!(own.done_age_ms, None);
         b.set_shared_line(1, SharedLine::default());
         assert_eq!(b.remaining_ms(1, 1030), 0.0);
     }

@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::load::{OwnLine, SharedLine};
+pub use super::load::ShareLine;
+use super::load::SharedLine;
 
 /// Version of the share format.
 pub const SHARE_VERSION: u8 = 1;
@@ -31,25 +32,6 @@ pub struct LoadShare {
     pub sent_unix_ms: u64,
     /// Per prefill engine id, its line.
     pub engines: BTreeMap<String, ShareLine>,
-}
-
-/// One engine's line in a share.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct ShareLine {
-    /// `[age ms, predicted compute µs]` per outstanding prefill.
-    pub items: Vec<(u64, u64)>,
-    /// Time since the engine last finished this replica's head, ms.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub done_age_ms: Option<u64>,
-}
-
-impl From<OwnLine> for ShareLine {
-    fn from(l: OwnLine) -> Self {
-        Self {
-            items: l.items,
-            done_age_ms: l.last_done_age_ms,
-        }
-    }
 }
 
 /// A share that could not be read.
