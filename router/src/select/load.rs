@@ -65,6 +65,39 @@ struct Engine {
     shared: Mutex<SharedLine>,
 }
 
+/// [`LoadBook::remaining_ms`] of one engine and how many prefills it
+/// counts (this replica's and the shared ones), in one pass over each line.
+fn known_work(e: &Engine, now_ms: u64) -> (f64, usize) {
+    let (own_head, own_total, own_done, own_n) = {
+        let f = e.fifo.lock();
+        (
+            f.items.front().map(|x| (x.1, x.2)),
+            f.items.iter().map(|x| x.2).sum::<u64>(),
+            f.last_done_ms,
+            f.items.len(),
+        )
+    };
+    let (shared_head, shared_total, shared_done, shared_n) = {
+        let s = e.shared.lock();
+        (
+            s.items.iter().copied().min_by_key(|x| x.0),
+            s.items.iter().map(|x| x.1).sum::<u64>(),
+            s.last_done_ms,
+            s.items.len(),
+        )
+    };
+    let n = own_n + shared_n;
+    // The earlier sent of the two heads (ours on a tie).
+    let Some((head_sent_ms, head_us)) = own_head.into_iter().chain(shared_head).min_by_key(|x| x.0)
+    else {
+        return (0.0, n);
+    };
+    let head_since_ms = head_sent_ms.max(own_done.max(shared_done).unwrap_or(0));
+    let done_us = now_ms.saturating_sub(head_since_ms).saturating_mul(1000);
+    let ms = (own_total + shared_total).saturating_sub(done_us.min(head_us)) as f64 / 1e3;
+    (ms, n)
+}
+
 /// Per-engine load counters, shared by the request tasks.
 pub struct LoadBook {
     engines: Vec<Engine>,
@@ -242,12 +275,11 @@ impl LoadBook {
         if mean_bits == 0 {
             return None;
         }
-        let known = self.remaining_ms(engine, now_ms);
+        let (known, known_items) = known_work(e, now_ms);
         let n = e.reported_requests.load(Ordering::Relaxed);
         let unknown = if n == u32::MAX {
             0
         } else {
-            let known_items = e.fifo.lock().items.len() + e.shared.lock().items.len();
             (n as usize).saturating_sub(known_items)
         };
         Some(known + unknown as f64 * f64::from_bits(mean_bits))
@@ -262,36 +294,9 @@ impl LoadBook {
     /// before it finished), at most its own prediction: a P deep into a
     /// long prefill does not look as busy as when it began.
     pub fn remaining_ms(&self, engine: u16, now_ms: u64) -> f64 {
-        let Some(e) = self.engines.get(usize::from(engine)) else {
-            return 0.0;
-        };
-        let (own_head, own_total, own_done) = {
-            let f = e.fifo.lock();
-            (
-                f.items.front().map(|x| (x.1, x.2)),
-                f.items.iter().map(|x| x.2).sum::<u64>(),
-                f.last_done_ms,
-            )
-        };
-        let (shared_head, shared_total, shared_done) = {
-            let s = e.shared.lock();
-            (
-                s.items.iter().copied().min_by_key(|x| x.0),
-                s.items.iter().map(|x| x.1).sum::<u64>(),
-                s.last_done_ms,
-            )
-        };
-        let head = match (own_head, shared_head) {
-            (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
-            (a, b) => a.or(b),
-        };
-        let Some((head_sent_ms, head_us)) = head else {
-            return 0.0;
-        };
-        let last_done = own_done.max(shared_done).unwrap_or(0);
-        let head_since_ms = head_sent_ms.max(last_done);
-        let done_us = now_ms.saturating_sub(head_since_ms).saturating_mul(1000);
-        (own_total + shared_total).saturating_sub(done_us.min(head_us)) as f64 / 1e3
+        self.engines
+            .get(usize::from(engine))
+            .map_or(0.0, |e| known_work(e, now_ms).0)
     }
 
     /// This replica's line on `engine` at `now_ms`, to share with the
