@@ -90,12 +90,10 @@ pub fn shape_label(l: &KvLayout) -> String {
     format!("{}x{}", l.num_regions, l.block_len_bytes)
 }
 
-/// Whether two layouts READ each other's blocks: the fields
-/// [`KvLayout::check_compatible`] compares (all but `num_blocks`).
+/// Whether two layouts READ each other's blocks: the dataplane's own rule,
+/// [`KvLayout::check_compatible`] (all fields but `num_blocks`).
 pub fn same_shape(a: &KvLayout, b: &KvLayout) -> bool {
-    a.num_regions == b.num_regions
-        && a.block_len_bytes == b.block_len_bytes
-        && a.block_size_tokens == b.block_size_tokens
+    a.check_compatible("", b).is_ok()
 }
 
 /// What the agent does with a newly registered engine's layout, given the

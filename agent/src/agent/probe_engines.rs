@@ -52,6 +52,13 @@ pub(super) async fn start_probe_engine(
     Ok(TransferEngine::start(ecfg, regions).await?)
 }
 
+/// The peer's engine-shaped probe engine with `layout`'s shape, if any.
+fn peer_probe_of<'a>(info: &'a EnginesInfo, layout: &KvLayout) -> Option<&'a ShapedProbeAddr> {
+    info.shaped_probes
+        .iter()
+        .find(|p| probe_plan::same_shape(&p.layout, layout))
+}
+
 impl Agent {
     /// Opens an engine-shaped probe engine for a newly registered engine's
     /// `layout` when probes run, `probe.follow_engines` is on and no probe
@@ -143,11 +150,8 @@ impl Agent {
                 let (engine, plan, remote) = match pick {
                     Some(i) => {
                         let s = &shaped[i];
-                        let remote = info
-                            .shaped_probes
-                            .iter()
-                            .find(|p| probe_plan::same_shape(&p.layout, &s.plan.layout))
-                            .map(|p| p.engine_id.clone());
+                        let remote =
+                            peer_probe_of(info, &s.plan.layout).map(|p| p.engine_id.clone());
                         (&s.engine, s.plan, remote)
                     }
                     None => (
@@ -192,11 +196,7 @@ impl Agent {
                 ));
             }
             for s in &shaped {
-                if let Some(pr) = info
-                    .shaped_probes
-                    .iter()
-                    .find(|p| probe_plan::same_shape(&p.layout, &s.plan.layout))
-                {
+                if let Some(pr) = peer_probe_of(info, &s.plan.layout) {
                     todo.push((
                         name.clone(),
                         s.engine.clone(),
