@@ -89,13 +89,22 @@ async fn probes_take_the_shape_of_the_engines_both_nodes_host() {
     // A second engine of the same shape opens no second probe engine.
     pa.register_memfd("p1", l, &p_mem, None).await.unwrap();
 
-    // Only A has the shape: A lists it, but still probes B in the configured one.
-    let info: serde_json::Value = reqwest::get(format!("http://{}/v1/engines", a.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    // Only A has the shape: A lists it (its probe engine opens in the
+    // background of the registration), but still probes B in the
+    // configured one.
+    let until = Instant::now() + Duration::from_secs(10);
+    let info = loop {
+        let info: serde_json::Value = reqwest::get(format!("http://{}/v1/engines", a.http))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if info["shaped_probes"].is_array() || Instant::now() > until {
+            break info;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let shaped = info["shaped_probes"]
         .as_array()
         .expect("shaped_probes listed");

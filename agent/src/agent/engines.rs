@@ -132,7 +132,11 @@ impl Agent {
         self.metrics.engines.set(self.engines.read().len() as i64);
         tracing::info!(%engine_id, side_channel = %addr, %backend, "engine registered");
         self.adopt_registered_shape(&engine_id, &layout);
-        self.follow_engine_layout(&layout).await;
+        // Off the registration's path: opening a probe engine allocates and
+        // registers memory and binds a side channel (with NIXL, starts an
+        // agent); the engine need not wait for it.
+        let me = self.clone();
+        tokio::spawn(async move { me.follow_engine_layout(&layout).await });
         Ok((addr, backend, generation))
     }
 
