@@ -225,11 +225,12 @@ pub fn regret(
         let Some(chosen) = cost(&t.prefill, t.pulled) else {
             continue;
         };
-        let mut best = Costed {
+        let made = Costed {
             prefill: t.prefill.clone(),
             pull: t.pulled,
             cost_ms: chosen,
         };
+        let mut best = made.clone();
         for p in prefills {
             for pull in [false, true] {
                 if let Some(c) = cost(p, pull).filter(|c| *c < best.cost_ms) {
@@ -250,17 +251,13 @@ pub fn regret(
             r.worst.push(TurnLoss {
                 request_id: t.request_id.clone(),
                 at_ms: t.at_ms,
-                chosen: Costed {
-                    prefill: t.prefill.clone(),
-                    pull: t.pulled,
-                    cost_ms: chosen,
-                },
+                chosen: made,
                 best,
             });
-            r.worst.sort_by(|a, b| b.loss_ms().total_cmp(&a.loss_ms()));
-            r.worst.truncate(WORST_TURNS);
         }
     }
+    r.worst.sort_by(|a, b| b.loss_ms().total_cmp(&a.loss_ms()));
+    r.worst.truncate(WORST_TURNS);
     r
 }
 
