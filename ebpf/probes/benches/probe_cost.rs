@@ -153,13 +153,7 @@ fn main() {
             p.attach_transfer_sites(&exe, Some(pid)).unwrap();
             site_cost(20_000);
             p.detach_all().unwrap();
-            for (name, runs, ns) in p.program_stats() {
-                let (r0, n0) = before
-                    .iter()
-                    .find(|(n, _, _)| *n == name)
-                    .map(|(_, r, t)| (*r, *t))
-                    .unwrap_or((0, 0));
-                let (runs, ns) = (runs - r0, ns - n0);
+            for (name, runs, ns) in stats_since(p, &before) {
                 if name == "kvloop_noop" && runs > 0 {
                     // The empty program's own time is counted by the stats.
                     trap_ns = (trap_ns - ns as f64 / runs as f64).max(0.0);
@@ -229,6 +223,21 @@ fn main() {
             }
         }
     }
+}
+
+/// Runs and ns inside each program since `before` (a
+/// [`Probes::program_stats`] snapshot).
+fn stats_since(p: &Probes, before: &[(String, u64, u64)]) -> Vec<(String, u64, u64)> {
+    p.program_stats()
+        .into_iter()
+        .map(|(name, runs, ns)| {
+            let (r0, n0) = before
+                .iter()
+                .find(|(n, _, _)| *n == name)
+                .map_or((0, 0), |(_, r, t)| (*r, *t));
+            (name, runs - r0, ns - n0)
+        })
+        .collect()
 }
 
 struct Round {
@@ -374,38 +383,22 @@ async fn throughput(
     // (robust to drift in machine load).
     let n_modes = if probes.is_some() { modes.len() } else { 1 };
     let mut rounds: Vec<Vec<Round>> = (0..n_modes).map(|_| Vec::new()).collect();
-    // Per mode: uprobe hits and ns inside every program (BPF run-time
+    // Per mode and program: runs and ns inside it (BPF run-time
     // statistics; tracepoints count every process's hits).
-    let mut accounted = vec![(0u64, 0u64); n_modes];
     let mut per_program: Vec<std::collections::BTreeMap<String, (u64, u64)>> =
         vec![Default::default(); n_modes];
     let _stats = probes.and_then(|_| kvloop_probes::enable_run_time_stats().ok());
-    let totals = |pr: &Probes| {
-        pr.program_stats()
-            .into_iter()
-            .fold((0u64, 0u64), |(u, ns), (name, runs, t)| {
-                let uprobe = name.starts_with("kvloop_read") || name.starts_with("nixl_");
-                (u + if uprobe { runs } else { 0 }, ns + t)
-            })
-    };
     let dur = Duration::from_secs_f64(secs / 6.0);
     for _ in 0..6 {
         for (m, rs) in rounds.iter_mut().enumerate() {
             attach(m)?;
-            let before = probes.map(|pr| (totals(pr), pr.program_stats()));
+            let before = probes.map(Probes::program_stats);
             rs.push(round(dur).await?);
-            if let (Some(pr), Some(((u0, t0), progs0))) = (probes, before) {
-                let (u1, t1) = totals(pr);
-                accounted[m].0 += u1 - u0;
-                accounted[m].1 += t1 - t0;
-                for (name, runs, ns) in pr.program_stats() {
-                    let (r0, n0) = progs0
-                        .iter()
-                        .find(|(n, _, _)| *n == name)
-                        .map_or((0, 0), |(_, r, t)| (*r, *t));
+            if let (Some(pr), Some(before)) = (probes, before) {
+                for (name, runs, ns) in stats_since(pr, &before) {
                     let e = per_program[m].entry(name).or_default();
-                    e.0 += runs - r0;
-                    e.1 += ns - n0;
+                    e.0 += runs;
+                    e.1 += ns;
                 }
             }
         }
@@ -455,7 +448,13 @@ async fn throughput(
                 .map(|(a, b)| b.cpu_us_per_read() - a.cpu_us_per_read())
                 .collect(),
         );
-        let (hits, prog_ns) = accounted[m];
+        // Uprobe hits (each pays the trap) and ns inside every program.
+        let (hits, prog_ns) = per_program[m]
+            .iter()
+            .fold((0, 0), |(u, t), (name, (runs, ns))| {
+                let uprobe = name.starts_with("kvloop_read") || name.starts_with("nixl_");
+                (u + if uprobe { *runs } else { 0 }, t + ns)
+            });
         let acc_us = (hits as f64 * trap_ns + prog_ns as f64) / 1e3 / r1.max(1) as f64;
         println!(
             "| {backend} | {} KiB | {} | {r1} | {g1:.2} | {l1:.1} | {c1:.2} | {acc_us:.3} µs ({:.2} %; {:.2} uprobe hits/READ) | {added_med:+.2} µs ({:+.1} %) | {:+.1} % (median of {} paired rounds; all-rounds {:+.1} %) |",
