@@ -301,6 +301,23 @@ pub struct PairConfig {
     pub regions_per_block: u64,
 }
 
+impl PairConfig {
+    /// The cost model's pair as configured (the KV shape from
+    /// `bytes_per_token`, `block_size_tokens`, `regions_per_block`).
+    pub fn spec(&self) -> kvloop_costmodel::PairSpec {
+        kvloop_costmodel::PairSpec {
+            prefill_engine_id: self.prefill_engine_id.clone(),
+            decode_engine_id: self.decode_engine_id.clone(),
+            decode_peer: self.decode_peer.clone(),
+            shape: kvloop_costmodel::KvShape {
+                bytes_per_token: self.bytes_per_token,
+                block_size_tokens: self.block_size_tokens,
+                regions_per_block: self.regions_per_block,
+            },
+        }
+    }
+}
+
 fn default_block_tokens() -> u64 {
     16
 }

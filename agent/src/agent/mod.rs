@@ -126,16 +126,7 @@ impl Agent {
     pub async fn new(cfg: AgentConfig, probes: kvloop_probes::Probes) -> anyhow::Result<Arc<Self>> {
         let mut model = CostModel::new(cfg.cost_model.clone())?;
         for p in &cfg.pairs {
-            model.upsert_pair(PairSpec {
-                prefill_engine_id: p.prefill_engine_id.clone(),
-                decode_engine_id: p.decode_engine_id.clone(),
-                decode_peer: p.decode_peer.clone(),
-                shape: KvShape {
-                    bytes_per_token: p.bytes_per_token,
-                    block_size_tokens: p.block_size_tokens,
-                    regions_per_block: p.regions_per_block,
-                },
-            })?;
+            model.upsert_pair(p.spec())?;
         }
         let probe_engine = if cfg.probe.enabled {
             let plan = crate::probe_plan::ProbePlan::configured(&cfg.probe);

@@ -48,33 +48,20 @@ impl Agent {
             .iter()
             .filter(|p| p.prefill_engine_id == engine_id)
         {
-            let configured = (p.bytes_per_token, p.block_size_tokens, p.regions_per_block);
-            if configured
-                != (
-                    shape.bytes_per_token,
-                    shape.block_size_tokens,
-                    shape.regions_per_block,
-                )
-            {
+            let configured = p.spec();
+            if configured.shape != shape {
                 tracing::warn!(
                     prefill_engine_id = %p.prefill_engine_id,
                     decode_engine_id = %p.decode_engine_id,
-                    configured_bytes_per_token = p.bytes_per_token,
-                    configured_block_size_tokens = p.block_size_tokens,
-                    configured_regions_per_block = p.regions_per_block,
-                    bytes_per_token = shape.bytes_per_token,
-                    block_size_tokens = shape.block_size_tokens,
-                    regions_per_block = shape.regions_per_block,
+                    configured = ?configured.shape,
+                    registered = ?shape,
                     "pairs[]: the registered engine's layout differs from the configured KV shape; the layout's is used"
                 );
             }
-            let spec = PairSpec {
-                prefill_engine_id: p.prefill_engine_id.clone(),
-                decode_engine_id: p.decode_engine_id.clone(),
-                decode_peer: p.decode_peer.clone(),
+            if let Err(e) = self.model.lock().upsert_pair(PairSpec {
                 shape,
-            };
-            if let Err(e) = self.model.lock().upsert_pair(spec) {
+                ..configured
+            }) {
                 tracing::warn!(engine_id, error = %e, "pair shape from the registered layout refused");
             }
         }
