@@ -13,7 +13,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, free_port, require_root, require_tool};
+use common::{AgentProc, free_port, get_json, get_text, require_root, require_tool};
 use kvloop_agent::client::AgentClient;
 use kvloop_agent::proto::{CudaIpcRegion, ReadDirection, RegionSource, Request};
 use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
@@ -94,24 +94,14 @@ http = "127.0.0.1:{hb}"
     let cfg = dir.path().join("a.toml");
     std::fs::write(&cfg, text).unwrap();
     let mut a = AgentProc::start(&[], &cfg, &sock);
-    let m = reqwest::get(format!("http://{}/metrics", a.http))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&a.http, "/metrics").await;
     // Before any link changed state (the network watch is off entirely).
     assert_eq!(
         metric_lines(&m, "kvloop_agent_path_valid{"),
         ["kvloop_agent_path_valid{peer=\"node-b\"} 1"],
         "{m}"
     );
-    let st: serde_json::Value = reqwest::get(format!("http://{}/v1/status", a.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let st: serde_json::Value = get_json(&a.http, "/v1/status").await;
     let peers: Vec<_> = st["peers"].as_object().unwrap().keys().cloned().collect();
     assert_eq!(peers, ["node-b"], "{st:#}");
 
@@ -241,12 +231,7 @@ async fn without_sys_admin_the_agent_times_its_own_reads_in_user_space() {
         &dir.path().join("node-a.sock"),
     );
     let mut b = AgentProc::start(&[], &cb, &dir.path().join("node-b.sock"));
-    let st: serde_json::Value = reqwest::get(format!("http://{}/v1/status", a.http))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let st: serde_json::Value = get_json(&a.http, "/v1/status").await;
     assert_eq!(st["read_timing"], "userspace", "{st:#}");
 
     let layout = KvLayout {
@@ -282,12 +267,7 @@ async fn without_sys_admin_the_agent_times_its_own_reads_in_user_space() {
     let mut got = vec![0u8; 4096];
     p_mem[0].read_at(2 * 4096, &mut got);
     assert!(got.iter().all(|b| *b == 7), "the READ landed");
-    let m = reqwest::get(format!("http://{}/metrics", a.http))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&a.http, "/metrics").await;
     let timed: Vec<_> = metric_lines(&m, "vllm:nixl_xfer_time_seconds_count{")
         .into_iter()
         .filter(|l| l.contains("peer=\"d0\""))

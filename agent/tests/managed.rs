@@ -9,7 +9,7 @@ mod common;
 use serde_json::json;
 use std::time::Duration;
 
-use common::{AgentProc, free_port};
+use common::{AgentProc, free_port, get_text, start_two_agents};
 use kvloop_agent::client::{AgentClient, ClientError};
 use kvloop_agent::lease::ReleaseReason;
 use kvloop_agent::proto::{EngineEvent, ReadDirection};
@@ -89,11 +89,7 @@ bytes_per_token = 1024
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_both_ways_land_byte_exact_through_two_agents() {
     let dir = tempfile::tempdir().unwrap();
-    let (ha, hb) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
-    let ca = config(dir.path(), "node-a", ha, "node-b", hb);
-    let cb = config(dir.path(), "node-b", hb, "node-a", ha);
-    let mut a = AgentProc::start(&[], &ca, &dir.path().join("node-a.sock"));
-    let mut b = AgentProc::start(&[], &cb, &dir.path().join("node-b.sock"));
+    let (mut a, mut b) = start_two_agents(dir.path(), config);
 
     // The socket is owner-only.
     use std::os::unix::fs::PermissionsExt;
@@ -350,12 +346,7 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     assert_eq!(nobody.status(), 404);
 
     // Metrics and health over HTTP.
-    let m = reqwest::get(format!("http://{}/metrics", a.http))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&a.http, "/metrics").await;
     assert!(
         m.contains("kvloop_agent_reads_total{direction=\"d2p\",result=\"ok\"} 1"),
         "{m}"
@@ -374,12 +365,7 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     drop(pa);
     let mut gone = false;
     for _ in 0..50 {
-        let m = reqwest::get(format!("http://{}/metrics", a.http))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = get_text(&a.http, "/metrics").await;
         if m.contains("kvloop_agent_engines 0") {
             gone = true;
             break;

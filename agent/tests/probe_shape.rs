@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, free_port};
+use common::{get_json, get_text, start_two_agents};
 use kvloop_agent::client::AgentClient;
 use kvloop_dataplane::{HostRegion, KvLayout};
 
@@ -34,12 +34,7 @@ fn config(
 
 /// The summed `kvloop_agent_probe_reads_total` of `shape` with result ok.
 async fn ok_probe_reads(http: &str, shape: &str) -> u64 {
-    let m = reqwest::get(format!("http://{http}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(http, "/metrics").await;
     m.lines()
         .filter(|l| {
             l.starts_with("kvloop_agent_probe_reads_total{")
@@ -68,11 +63,7 @@ async fn wait_for_reads(http: &str, shape: &str, what: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_take_the_shape_of_the_engines_both_nodes_host() {
     let dir = tempfile::tempdir().unwrap();
-    let (ha, hb) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
-    let ca = config(dir.path(), "node-a", ha, "node-b", hb);
-    let cb = config(dir.path(), "node-b", hb, "node-a", ha);
-    let mut a = AgentProc::start(&[], &ca, &dir.path().join("node-a.sock"));
-    let mut b = AgentProc::start(&[], &cb, &dir.path().join("node-b.sock"));
+    let (mut a, mut b) = start_two_agents(dir.path(), config);
 
     // No engine yet: the configured shape.
     wait_for_reads(&a.http, "2x65536", "configured shape").await;
@@ -94,12 +85,7 @@ async fn probes_take_the_shape_of_the_engines_both_nodes_host() {
     // configured one.
     let until = Instant::now() + Duration::from_secs(10);
     let info = loop {
-        let info: serde_json::Value = reqwest::get(format!("http://{}/v1/engines", a.http))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let info: serde_json::Value = get_json(&a.http, "/v1/engines").await;
         if info["shaped_probes"].is_array() || Instant::now() > until {
             break info;
         }
@@ -127,12 +113,7 @@ async fn probes_take_the_shape_of_the_engines_both_nodes_host() {
     assert_eq!(ok_probe_reads(&a.http, "2x65536").await, before);
 
     // The probe READs went over the one (default) rail.
-    let m = reqwest::get(format!("http://{}/metrics", a.http))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&a.http, "/metrics").await;
     let rail0: u64 = m
         .lines()
         .find(|l| l.starts_with("kvloop_agent_rail_bytes_total{") && l.contains("rail=\"0\""))

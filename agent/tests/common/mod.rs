@@ -74,3 +74,38 @@ pub fn loopback_agent_toml(
     std::fs::write(&p, text).unwrap();
     p
 }
+
+/// Two agents on loopback, `node-a` and `node-b`, each the other's only
+/// peer, on free ports, configured by `config(dir, name, http, peer,
+/// peer_http)` (which writes the file and returns its path).
+pub fn start_two_agents(
+    dir: &Path,
+    config: impl Fn(&Path, &str, u16, &str, u16) -> PathBuf,
+) -> (AgentProc, AgentProc) {
+    let (ha, hb) = (free_port("127.0.0.1"), free_port("127.0.0.1"));
+    let ca = config(dir, "node-a", ha, "node-b", hb);
+    let cb = config(dir, "node-b", hb, "node-a", ha);
+    let a = AgentProc::start(&[], &ca, &dir.join("node-a.sock"));
+    let b = AgentProc::start(&[], &cb, &dir.join("node-b.sock"));
+    (a, b)
+}
+
+/// `GET http://<http><path>`'s body as text (e.g. `/metrics`).
+pub async fn get_text(http: &str, path: &str) -> String {
+    reqwest::get(format!("http://{http}{path}"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// `GET http://<http><path>`'s body as JSON (e.g. `/v1/status`).
+pub async fn get_json(http: &str, path: &str) -> serde_json::Value {
+    reqwest::get(format!("http://{http}{path}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
