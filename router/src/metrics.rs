@@ -96,6 +96,10 @@ pub struct Metrics {
     pub store_skipped: Family<ReasonLabel, Counter>,
     /// `kvloop_router_prefill_retries_total`: P retried once without D's params.
     pub prefill_retries: Counter,
+    /// `kvloop_router_decode_retries_total`: turns whose decode request failed
+    /// at the connection before D answered, prefilled again without reuse
+    /// and resent to D once.
+    pub decode_retries: Counter,
     /// `kvloop_router_params_rejected_total{reason}`: engine params rejected (`source_prefill`, `source_decode`, `unknown_engine`).
     pub params_rejected: Family<ReasonLabel, Counter>,
     /// `kvloop_router_prefix_check_mode{mode}`: 1 for the mode in force.
@@ -215,6 +219,12 @@ impl Metrics {
             "Prefill requests retried without D's params",
             prefill_retries.clone(),
         );
+        let decode_retries = Counter::default();
+        registry.register(
+            "decode_retries",
+            "Turns whose decode connection failed before D answered, prefilled again and resent once",
+            decode_retries.clone(),
+        );
         let params_rejected = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "params_rejected",
@@ -323,6 +333,7 @@ impl Metrics {
             evictions,
             store_skipped,
             prefill_retries,
+            decode_retries,
             params_rejected,
             prefix_check_mode,
             engine_healthy,

@@ -11,7 +11,7 @@ use crate::error::RouteError;
 use crate::params::{KvParams, no_reuse_prefill_params};
 use crate::request::{ParsedRequest, prefill_body};
 use crate::state::AppState;
-use crate::upstream::{Failure, PrefillReply, Stage, UpstreamError};
+use crate::upstream::{Failure, PrefillReply, Stage, Upstream, UpstreamError};
 
 /// The prefill step with the retry-once rule: when D's params were attached
 /// and the failure is retry-safe, once more without them, on the next
@@ -27,21 +27,21 @@ pub(crate) async fn prefill(
     request_id: &str,
     pull_failed: impl FnOnce(),
 ) -> Result<(u16, PrefillReply), UpstreamError> {
-    let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
     let no_reuse = || to_raw(&no_reuse_prefill_params());
     let holder = decision
         .decode_engine_id
         .as_deref()
         .and_then(|d| s.registry.index_of(d));
     let send = |p_idx: u16, params: Box<RawValue>, reused: u64| {
-        let p = s.registry.get(p_idx).expect("index");
-        s.upstream.prefill(
-            &p.engine_id,
-            crate::upstream::api_url(p, req.api),
+        send_prefill(
+            &s.upstream,
+            s,
+            req,
+            p_idx,
+            params,
+            n_prompt,
+            reused,
             request_id,
-            prefill_body(&req.body, &params),
-            n_prompt.map(|n| (n, reused)),
-            timeout,
         )
     };
     let Some(attach) = decision.attach.clone() else {
@@ -69,6 +69,48 @@ pub(crate) async fn prefill(
             send(p_idx, no_reuse(), 0).await.map(|r| (p_idx, r))
         }
     }
+}
+
+/// The prefill request to P `p_idx` with `params` as its
+/// `kv_transfer_params`; `reused` tokens are not P's to compute.
+#[allow(clippy::too_many_arguments)]
+fn send_prefill<'a>(
+    up: &'a Upstream,
+    s: &'a AppState,
+    req: &'a ParsedRequest,
+    p_idx: u16,
+    params: Box<RawValue>,
+    n_prompt: Option<usize>,
+    reused: u64,
+    request_id: &'a str,
+) -> impl std::future::Future<Output = Result<PrefillReply, UpstreamError>> + 'a {
+    let p = s.registry.get(p_idx).expect("index");
+    up.prefill(
+        &p.engine_id,
+        crate::upstream::api_url(p, req.api),
+        request_id,
+        prefill_body(&req.body, &params),
+        n_prompt.map(|n| (n, reused)),
+        Duration::from_millis(s.cfg.prefill_timeout_ms),
+    )
+}
+
+/// The prefill step again, without reuse, for a turn whose decode request
+/// never got D's answer ([`crate::server`]'s decode retry): P computes the
+/// whole prompt into fresh blocks, so D's second request READs only blocks
+/// of this prefill, never the first prefill's (which P may have freed after
+/// a READ of D's first request, or may still hold until its lease lapses).
+/// On a new connection ([`Upstream::fresh_connections`]).
+pub(crate) async fn prefill_again(
+    s: &AppState,
+    req: &ParsedRequest,
+    p_idx: u16,
+    n_prompt: Option<usize>,
+    request_id: &str,
+) -> Result<PrefillReply, UpstreamError> {
+    let params = to_raw(&no_reuse_prefill_params());
+    let up = s.upstream.fresh_connections();
+    send_prefill(&up, s, req, p_idx, params, n_prompt, 0, request_id).await
 }
 
 /// P's params for D, with `remote_host` from the registry.

@@ -14,6 +14,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use kvloop_router_api::THRESHOLDS_PATH;
+use serde_json::value::RawValue;
 use tracing::{debug, warn};
 
 use crate::config::{Policy, PrefixCheckMode};
@@ -22,12 +23,12 @@ use crate::error::RouteError;
 use crate::explain::{ROUTE_HEADER, RouteRecord, Routed};
 use crate::fingerprint::{History, HistoryHasher, hash_tokens};
 use crate::metrics::{ReasonLabel, RequestLabels};
-use crate::prefill::{params_for_decode, prefill};
+use crate::prefill::{params_for_decode, prefill, prefill_again};
 use crate::relay::{Relay, StoreCtx};
 use crate::request::{Api, decode_body, parse_request, tokenize_body};
 use crate::sse::rewrite_body;
 use crate::store::{ConvKey, Lookup};
-use crate::upstream::{Failure, Stage, UpstreamError};
+use crate::upstream::{Failure, Stage, Upstream, UpstreamError};
 
 pub use crate::state::{AppState, BuildError};
 
@@ -308,19 +309,45 @@ async fn route_inner(
     .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
     let d_params = params_for_decode(s, p_idx, p_reply)?;
 
-    // Decode request: the client's body with P's params. Never resent to another D.
+    // Decode request: the client's body with P's params. Never resent to
+    // another D; resent to this D once, after a fresh prefill, when the
+    // connection broke before D answered.
     let d = s.registry.get(d_idx).expect("index");
-    let d_resp = s
-        .upstream
-        .decode(
-            &d.engine_id,
-            crate::upstream::api_url(d, api),
-            &request_id,
-            decode_body(&req.body, &d_params),
-            Duration::from_millis(s.cfg.decode_timeout_ms),
-        )
-        .await
-        .inspect_err(|e| warn!(%request_id, error = %e, "decode failed; P's params are not resent to another decode engine"))?;
+    let decode = |up: Upstream, params: Box<RawValue>| {
+        let body = decode_body(&req.body, &params);
+        let (request_id, timeout) = (&request_id, Duration::from_millis(s.cfg.decode_timeout_ms));
+        async move {
+            let url = crate::upstream::api_url(d, api);
+            up.decode(&d.engine_id, url, request_id, body, timeout)
+                .await
+        }
+    };
+    let d_resp = match decode(s.upstream.clone(), d_params).await {
+        Ok(r) => r,
+        Err(e) if e.failure == Failure::Transport => {
+            // A connection that broke before D's answer (a reset under a
+            // reused keep-alive connection; D's process going away) may
+            // have delivered the request: D may have READ P's blocks and P
+            // freed them. P's params are never sent again; P prefills the
+            // prompt once more into fresh blocks (no reuse) and D gets
+            // those, on new connections. Nothing has reached the client yet.
+            warn!(%request_id, error = %e, "decode connection broke before D answered; prefilling again without reuse and resending to D once");
+            s.metrics.decode_retries.inc();
+            let reply = prefill_again(s, &req, p_idx, n_prompt, &request_id)
+                .await
+                .inspect_err(
+                    |e| warn!(%request_id, error = %e, "prefill for the decode retry failed"),
+                )?;
+            let fresh = s.upstream.fresh_connections();
+            decode(fresh, params_for_decode(s, p_idx, reply)?)
+                .await
+                .inspect_err(|e| warn!(%request_id, error = %e, "decode retry failed"))?
+        }
+        Err(e) => {
+            warn!(%request_id, error = %e, "decode failed; P's params are not resent to another decode engine");
+            return Err(e.into());
+        }
+    };
 
     let mut builder = Response::builder()
         .status(StatusCode::OK)

@@ -99,13 +99,16 @@ impl AppState {
         cfg.validate()?;
         let clock: Arc<dyn Clock> = Arc::from(clock);
         let registry = Registry::new(cfg.engines.clone())?;
-        let http = reqwest::Client::builder()
-            .http1_only()
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
-            .pool_max_idle_per_host(1024)
-            .pool_idle_timeout(Duration::from_millis(cfg.upstream_idle_timeout_ms))
-            .build()?;
+        let client = |max_idle: usize| {
+            reqwest::Client::builder()
+                .http1_only()
+                .tcp_nodelay(true)
+                .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
+                .pool_max_idle_per_host(max_idle)
+                .pool_idle_timeout(Duration::from_millis(cfg.upstream_idle_timeout_ms))
+                .build()
+        };
+        let (http, fresh) = (client(1024)?, client(0)?);
         let metrics = Metrics::new();
         for e in registry.engines() {
             metrics
@@ -137,7 +140,7 @@ impl AppState {
             expiries: Mutex::new(LruCache::new(capacity)),
             thresholds: Mutex::new(ThresholdTable::new(cfg.kv_recompute_threshold)),
             metrics,
-            upstream: Upstream { http },
+            upstream: Upstream { http, fresh },
             clock: clock.clone(),
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),

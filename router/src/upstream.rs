@@ -55,7 +55,11 @@ impl Stage {
 /// What went wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Failure {
-    /// No connection, or the connection broke (no HTTP status).
+    /// No connection could be made (refused, unreachable, connect timeout):
+    /// nothing reached the engine.
+    Connect,
+    /// The connection broke (reset or closed) before the engine's answer:
+    /// the request may have reached the engine.
     Transport,
     /// No answer within the stage's timeout.
     Timeout,
@@ -93,6 +97,8 @@ impl UpstreamError {
     fn transport(stage: Stage, engine: &str, e: &reqwest::Error) -> Self {
         let failure = if e.is_timeout() {
             Failure::Timeout
+        } else if e.is_connect() {
+            Failure::Connect
         } else {
             Failure::Transport
         };
@@ -112,7 +118,7 @@ impl UpstreamError {
     /// (the request itself is refused) and an unusable 2xx body are not.
     pub fn retry_safe(&self) -> bool {
         match self.failure {
-            Failure::Transport | Failure::Timeout => true,
+            Failure::Connect | Failure::Transport | Failure::Timeout => true,
             Failure::Status(s) => s.is_server_error(),
             Failure::Body => false,
         }
@@ -132,8 +138,25 @@ impl UpstreamError {
 /// The engine client (reqwest, HTTP/1.1 keep-alive).
 #[derive(Clone)]
 pub struct Upstream {
-    /// The HTTP client.
+    /// The HTTP client (pooled keep-alive connections).
     pub http: reqwest::Client,
+    /// A client that opens a new connection for every request (no pool),
+    /// for resending after a pooled connection broke: an engine whose
+    /// event loop stalled past its keep-alive timeout (uvicorn 5 s,
+    /// `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) closes every idle connection it
+    /// finds expired when it wakes, a request in its buffer or not, and
+    /// libuv (uvloop) runs those timers before reading the socket.
+    pub fresh: reqwest::Client,
+}
+
+impl Upstream {
+    /// This client with every request on a new connection.
+    pub fn fresh_connections(&self) -> Upstream {
+        Upstream {
+            http: self.fresh.clone(),
+            fresh: self.fresh.clone(),
+        }
+    }
 }
 
 /// P's answer to a prefill request.
@@ -330,6 +353,8 @@ mod tests {
     fn retry_decision_and_client_status() {
         let e = |f| UpstreamError::new(Stage::Prefill, "p0", f, "x");
         assert!(e(Failure::Transport).retry_safe());
+        assert!(e(Failure::Connect).retry_safe());
+        assert_eq!(e(Failure::Connect).client_status(), StatusCode::BAD_GATEWAY);
         assert!(e(Failure::Timeout).retry_safe());
         assert!(e(Failure::Status(StatusCode::INTERNAL_SERVER_ERROR)).retry_safe());
         assert!(

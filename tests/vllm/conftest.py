@@ -49,6 +49,33 @@ def cluster():
         c.stop()
 
 
+def _log_digest(c, lines_per_proc: int = 6) -> str:
+    """Each process: alive or its exit status, and its last warning/error
+    lines (what CI's short output tail must show of a failure)."""
+    out = []
+    pat = re.compile(r"WARN|ERROR|Error|Traceback|reset|refused|unhealthy")
+    for p in c.procs.values():
+        state = "alive" if p.alive() else f"exited {p.popen.returncode}"
+        try:
+            text = p.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            text = []
+        ansi = re.compile(r"\x1b\[[0-9;]*m")
+        hits = [ansi.sub("", ln)[:300] for ln in text if pat.search(ln)][-lines_per_proc:]
+        out.append(f"--- {p.name} ({state}, {p.log_path.name}) ---")
+        out.extend(hits or ["(no warning or error lines)"])
+    return "\n".join(out)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    c = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+    if rep.when == "call" and rep.failed and c is not None:
+        rep.sections.append(("kvloop processes at the failure", _log_digest(c)))
+
+
 @pytest.fixture(scope="session")
 def words():
     """Words of the frozen corpus the model's vocabulary is built from
@@ -67,6 +94,13 @@ def report():
     from client import RETRIES_503
 
     r["figures"]["requests retried after a router 503 (engine marked unhealthy)"] = len(RETRIES_503)
+    try:
+        resent = [cl.metric_sum(cl.metrics(f"http://{a}/metrics"), "kvloop_router_decode_retries_total")
+                  for a in (cl.ROUTER_ON, cl.ROUTER_OFF)]
+        r["figures"]["decode requests resent by the routers after a broken connection (on / off)"] = (
+            " / ".join(f"{n:.0f}" for n in resent))
+    except Exception as e:  # the routers are gone: the run failed earlier
+        r["figures"]["decode requests resent by the routers after a broken connection"] = f"unknown ({e})"
 
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "report.json").write_text(json.dumps(r, indent=1))

@@ -278,6 +278,7 @@ def test_edited_history_recomputes_and_matches(cluster, words):
         u = users(words, 4200 + 700 * n)
         before = router_decisions()
         on = conversation(ON, "chat", False, u[:2], f"vl-edit-{edit}")
+        assert all(t.status == 200 and t.tokens for t in on), [t.raw for t in on]
         first = u[0].replace(" the ", " a ", 3) if edit == "user" else u[0]
         answer = on[1].text if edit == "user" else on[1].text.rsplit(" ", 1)[0] + " router"
         edited = [{"role": "user", "content": first},

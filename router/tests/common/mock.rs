@@ -207,3 +207,118 @@ pub fn delta(content: &str, finish: Option<&str>) -> String {
 pub fn n_tokens(body: &Value) -> u64 {
     kvloop_engine_sim::tokenize_body(body).unwrap().len() as u64
 }
+
+/// A scripted engine on a hand-written HTTP/1.1 loop (keep-alive,
+/// `Content-Length` bodies) that resets the connection (`SO_LINGER` 0, an
+/// RST) under the first `resets` POSTs after reading them whole: what the
+/// router sees when an engine drops a reused keep-alive connection as the
+/// request arrives, or its process goes away mid-request.
+pub struct ResettingEngine {
+    pub addr: SocketAddr,
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ResettingEngine {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl ResettingEngine {
+    pub async fn start(script: Script, resets: usize) -> ResettingEngine {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let resets = Arc::new(std::sync::atomic::AtomicUsize::new(resets));
+        let seen2 = seen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((conn, _)) = l.accept().await {
+                let (script, seen, resets) = (script.clone(), seen2.clone(), resets.clone());
+                tokio::spawn(serve_raw(conn, script, seen, resets));
+            }
+        });
+        ResettingEngine { addr, seen, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Paths of the POSTs that arrived whole (reset ones included), in order.
+    pub fn posts(&self) -> Vec<String> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(p, _)| p.clone())
+            .collect()
+    }
+}
+
+async fn serve_raw(
+    mut conn: tokio::net::TcpStream,
+    script: Script,
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+    resets: Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::new();
+    loop {
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let mut chunk = [0u8; 8192];
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+        let mut words = head.split_whitespace();
+        let (method, path) = (
+            words.next().unwrap_or("").to_string(),
+            words.next().unwrap_or("").to_string(),
+        );
+        let len: usize = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or(0);
+        while buf.len() < head_end + len {
+            let mut chunk = [0u8; 8192];
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body = String::from_utf8_lossy(&buf[head_end..head_end + len]).to_string();
+        buf.drain(..head_end + len);
+        let (status, ct, out) = if method == "POST" {
+            seen.lock().unwrap().push((path.clone(), body.clone()));
+            let reset = resets
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if reset {
+                let _ = conn.set_zero_linger();
+                return;
+            }
+            let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+            (script)(&path, &v)
+        } else {
+            (200, "application/json", "{}".to_string())
+        };
+        let reply = format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: {ct}\r\ncontent-length: {}\r\n\r\n{out}",
+            out.len()
+        );
+        if conn.write_all(reply.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
