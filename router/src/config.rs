@@ -115,6 +115,13 @@ pub struct RouterConfig {
     pub health_interval_ms: u64,
     /// Timeout of one health check, ms [1000].
     pub health_timeout_ms: u64,
+    /// Consecutive failed health checks (a timeout, an error status, a
+    /// broken connection) before a healthy engine is marked unhealthy; a
+    /// refused connection (nothing listening) marks it at once, and one good
+    /// check marks it healthy again: a busy engine answers `/health` late
+    /// now and then, a dead one refuses (default as SGLang's model gateway's
+    /// `health_failure_threshold`) [3].
+    pub health_failure_threshold: u32,
     /// Connect timeout to engines, ms [2000].
     pub connect_timeout_ms: u64,
     /// Pooled connections to engines idle longer than this are closed, not
@@ -198,6 +205,7 @@ impl Default for RouterConfig {
             tokenize_every_request: false,
             health_interval_ms: 2_000,
             health_timeout_ms: 1_000,
+            health_failure_threshold: 3,
             connect_timeout_ms: 2_000,
             upstream_idle_timeout_ms: 4_000,
             prefill_timeout_ms: 600_000,
@@ -289,6 +297,10 @@ impl RouterConfig {
             });
         }
         for (field, v) in [
+            (
+                "health_failure_threshold",
+                u64::from(self.health_failure_threshold),
+            ),
             ("store_pool_size", self.store_pool_size as u64),
             ("store_timeout_ms", self.store_timeout_ms),
             ("store_connect_timeout_ms", self.store_connect_timeout_ms),

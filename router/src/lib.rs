@@ -23,6 +23,7 @@ pub mod decision;
 pub mod error;
 pub mod explain;
 pub mod fingerprint;
+pub mod health;
 pub mod load_poll;
 pub mod load_share;
 pub mod metrics;

@@ -19,6 +19,7 @@ use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker};
 use crate::clock::Clock;
 use crate::config::{PrefixCheckMode, RouterConfig};
 use crate::explain::{RecentRoutes, RouteRecord};
+use crate::health::{Check, Health};
 use crate::metrics::{EngineLabel, Metrics, ModeLabel, PairLabels, PullLabels, SelectionLabels};
 use crate::registry::{Registry, Role};
 use crate::retention::{Job, Retention};
@@ -32,6 +33,8 @@ pub struct AppState {
     pub(crate) cfg: RouterConfig,
     pub(crate) registry: Registry,
     pub(crate) healthy: Vec<AtomicBool>,
+    /// Consecutive failed health checks per engine ([`crate::health`]).
+    health_failures: Vec<std::sync::atomic::AtomicU32>,
     pub(crate) store: Arc<Store>,
     /// Expiry times of stored keys (hash of the key → ms), so a turn whose
     /// entry the sweeper (or Redis' own TTL) already dropped is counted
@@ -133,6 +136,11 @@ impl AppState {
                 .engines()
                 .iter()
                 .map(|_| AtomicBool::new(true))
+                .collect(),
+            health_failures: registry
+                .engines()
+                .iter()
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
                 .collect(),
             prefill_idx: registry.with_role(Role::Prefill),
             decode_idx: registry.with_role(Role::Decode),
@@ -403,14 +411,28 @@ impl AppState {
     pub async fn check_health(&self) {
         let mut answers = Vec::new();
         for (i, e) in self.registry.engines().iter().enumerate() {
-            let ok = matches!(
-                self.upstream.http
-                    .get(format!("{}/health", e.http_url))
-                    .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
-                    .send()
-                    .await,
-                Ok(r) if r.status().is_success()
-            );
+            let check = match self
+                .upstream
+                .http
+                .get(format!("{}/health", e.http_url))
+                .timeout(Duration::from_millis(self.cfg.health_timeout_ms))
+                .send()
+                .await
+            {
+                Ok(r) if r.status().is_success() => Check::Ok,
+                Err(e) if e.is_connect() && !e.is_timeout() => Check::Refused,
+                _ => Check::Failed,
+            };
+            let before = Health {
+                healthy: self.healthy[i].load(Ordering::Relaxed),
+                failures: self.health_failures[i].load(Ordering::Relaxed),
+            };
+            let after = before.after(check, self.cfg.health_failure_threshold);
+            self.health_failures[i].store(after.failures, Ordering::Relaxed);
+            let ok = after.healthy;
+            if check == Check::Failed && ok {
+                debug!(engine = %e.engine_id, failures = after.failures, "health check failed; still routed until health_failure_threshold");
+            }
             if self.healthy[i].swap(ok, Ordering::Relaxed) != ok {
                 if ok {
                     info!(engine = %e.engine_id, "engine healthy");
@@ -424,7 +446,9 @@ impl AppState {
                     engine_id: e.engine_id.clone(),
                 })
                 .set(i64::from(ok));
-            if ok && let Some(b) = self.fetch_models(i as u16).await {
+            if check == Check::Ok
+                && let Some(b) = self.fetch_models(i as u16).await
+            {
                 answers.push(b);
             }
         }
