@@ -143,7 +143,9 @@ pub struct CostModelConfig {
     /// `poll_timeout`). Default 250.
     pub update_interval_ms: u64,
     /// Change detector (two-sided CUSUM of the new samples' standardized
-    /// relative residuals, clipped at ±3): alarm level `h`. On an alarm the
+    /// ratio residuals, `r − 1` slower and `1 − 1/r` faster for `r` =
+    /// observed / predicted, so k× faster weighs as k× slower; clipped at
+    /// ±3): alarm level `h`. On an alarm the
     /// samples older than the shifted run are dropped, so the fit follows a
     /// step change in about a second instead of a half-life. Default 20
     /// (with the default slack: about 8 consecutive clipped samples; 5 % of
