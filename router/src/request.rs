@@ -173,16 +173,53 @@ pub fn parse_request(
 /// `body` as JSON with `kv_transfer_params` set to `params`, spliced in as
 /// its exact text (a `serde_json::Value` would re-spell D's numbers).
 pub fn with_params(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
-    let mut b = body.clone();
-    b.remove("kv_transfer_params");
-    let rest = serde_json::to_vec(&Value::Object(b)).expect("serializable");
-    let mut out = Vec::with_capacity(rest.len() + params.get().len() + 24);
+    write_body(body, params, &[], &[])
+}
+
+/// An override of one member of the client's body.
+struct Override {
+    key: &'static str,
+    value: Value,
+    /// Added when the client's body lacks the key (else only replaced).
+    insert: bool,
+}
+
+/// `{"kv_transfer_params":<params>,...}`: the members of `body` in order,
+/// without `kv_transfer_params` and the `drop` keys, with `overrides`
+/// replacing (or, where `insert`, adding) theirs. Written straight from
+/// the borrowed body: no copy of the client's messages.
+fn write_body(
+    body: &Map<String, Value>,
+    params: &RawValue,
+    overrides: &[Override],
+    drop: &[&str],
+) -> Vec<u8> {
+    fn member(out: &mut Vec<u8>, key: &str, value: &Value) {
+        out.push(b',');
+        serde_json::to_writer(&mut *out, key).expect("a string serializes");
+        out.push(b':');
+        serde_json::to_writer(&mut *out, value).expect("a JSON value serializes");
+    }
+    // The body as the client sent it is at most this long, plus params.
+    let mut out = Vec::with_capacity(params.get().len() + 64 * (body.len() + 1) + 4096);
     out.extend_from_slice(b"{\"kv_transfer_params\":");
     out.extend_from_slice(params.get().as_bytes());
-    if rest.len() > 2 {
-        out.push(b',');
+    for (k, v) in body {
+        if k == "kv_transfer_params" || drop.contains(&k.as_str()) {
+            continue;
+        }
+        match overrides.iter().find(|o| o.key == k) {
+            Some(o) => member(&mut out, k, &o.value),
+            None => member(&mut out, k, v),
+        }
     }
-    out.extend_from_slice(&rest[1..]);
+    for o in overrides
+        .iter()
+        .filter(|o| o.insert && !body.contains_key(o.key))
+    {
+        member(&mut out, o.key, &o.value);
+    }
+    out.push(b'}');
     out
 }
 
@@ -191,16 +228,29 @@ pub fn with_params(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
 /// without `stream_options`, `min_tokens`, `min_completion_tokens`), with
 /// `params` (D's on reuse, else the no-reuse shape).
 pub fn prefill_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
-    let mut p = body.clone();
-    p.insert("stream".into(), Value::Bool(false));
-    p.insert("max_tokens".into(), Value::from(1));
-    if p.contains_key("max_completion_tokens") {
-        p.insert("max_completion_tokens".into(), Value::from(1));
-    }
-    for k in ["stream_options", "min_tokens", "min_completion_tokens"] {
-        p.remove(k);
-    }
-    with_params(&p, params)
+    let overrides = [
+        Override {
+            key: "stream",
+            value: Value::Bool(false),
+            insert: true,
+        },
+        Override {
+            key: "max_tokens",
+            value: Value::from(1),
+            insert: true,
+        },
+        Override {
+            key: "max_completion_tokens",
+            value: Value::from(1),
+            insert: false,
+        },
+    ];
+    write_body(
+        body,
+        params,
+        &overrides,
+        &["stream_options", "min_tokens", "min_completion_tokens"],
+    )
 }
 
 /// The decode request: the client's body with P's params.
@@ -334,6 +384,20 @@ mod tests {
         let d: Value = serde_json::from_slice(&decode_body(&body, &params)).unwrap();
         assert_eq!(d["max_tokens"], 9);
         assert_eq!(d["stream"], true);
+        let bare = json!({"messages": [{"role": "user", "content": "a\"b"}],
+                          "max_completion_tokens": 7, "conversation_x": null})
+        .as_object()
+        .unwrap()
+        .clone();
+        let p: Value = serde_json::from_slice(&prefill_body(&bare, &params)).unwrap();
+        assert_eq!(p["stream"], false);
+        assert_eq!(p["max_tokens"], 1);
+        assert_eq!(p["max_completion_tokens"], 1);
+        assert_eq!(p["messages"], bare["messages"]);
+        assert!(p["conversation_x"].is_null() && p.get("conversation_x").is_some());
+        let d: Value = serde_json::from_slice(&decode_body(&bare, &params)).unwrap();
+        assert_eq!(d["max_completion_tokens"], 7);
+        assert!(d.get("max_tokens").is_none() && d.get("stream").is_none());
         let empty = with_params(&Map::new(), &params);
         assert_eq!(empty, br#"{"kv_transfer_params":{"t":1214.2449693849999}}"#);
     }
