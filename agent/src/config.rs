@@ -55,7 +55,8 @@ pub struct AgentConfig {
     pub backend: BackendConfig,
     /// READ timeout when a request gives none, ms [5000].
     pub read_timeout_ms: u64,
-    /// Threshold push period, ms [1000].
+    /// Threshold push period, ms [1000]. A refit that moves a pair's threshold
+    /// or cost model (`kvloop_costmodel::urgent_push`) is pushed at once.
     pub push_period_ms: u64,
     /// `valid_for_ms` of pushed thresholds, as a multiple of the push period;
     /// must be below 3 [2.5].

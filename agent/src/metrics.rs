@@ -20,6 +20,7 @@
 //! | `kvloop_agent_threshold_tokens` | gauge | `prefill`, `decode` | published recompute threshold |
 //! | `kvloop_agent_threshold_changes` | counter | `prefill`, `decode` | threshold changes |
 //! | `kvloop_agent_pushes` | counter | `router`, `result` | threshold push attempts (`ok`, `error`) |
+//! | `kvloop_agent_pushes_early` | counter | `reason` | pushes made at once after a refit instead of at the next period (`pair_set`, `threshold`, `model`: `kvloop_costmodel::urgent_push`) |
 //! | `kvloop_agent_retention` | counter | `action`, `outcome` | router retention decisions (`release`, `keep`) applied here or forwarded: `released`, `deferred`, `kept`, `unknown`, `forwarded`, `error` |
 //! | `kvloop_agent_link_up` / `_link_speed_mbps` / `_link_mtu` | gauge | `interface` | rtnetlink link state (speed from sysfs) |
 //! | `kvloop_agent_link_rx_bytes` / `_link_tx_bytes` / `_link_rx_errors` / `_link_tx_errors` | gauge | `interface` | link counters |
@@ -83,6 +84,8 @@ pub struct Metrics {
     pub threshold_changes: Family<Labels, Counter>,
     /// Push attempts.
     pub pushes: Family<Labels, Counter>,
+    /// Early pushes by reason.
+    pub pushes_early: Family<Labels, Counter>,
     /// Router retention decisions by action and outcome.
     pub retention: Family<Labels, Counter>,
     /// Link up.
@@ -192,6 +195,11 @@ impl Metrics {
             "pushes",
             "Threshold push attempts per router",
             self.pushes.clone(),
+        );
+        r.register(
+            "pushes_early",
+            "Threshold pushes made at once after a refit (the cost model moved), by reason",
+            self.pushes_early.clone(),
         );
         r.register(
             "retention",

@@ -317,6 +317,12 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
         "{metrics}"
     );
     assert!(metrics.contains("kvloop_agent_pushes_total"), "{metrics}");
+    // The threshold's rise (a threshold or model change after a refit) was
+    // pushed at once, not at the next period.
+    assert!(
+        metrics.contains("kvloop_agent_pushes_early_total{reason="),
+        "{metrics}"
+    );
 
     eprintln!(
         "\n| link rate (tbf on B egress) | threshold pushed (tokens) | rise seen after (s) |"

@@ -102,6 +102,7 @@ mod breakeven;
 mod config;
 mod fit;
 mod model;
+mod push;
 mod samples;
 mod threshold;
 mod time;
@@ -113,6 +114,7 @@ pub use breakeven::{
 pub use config::{ConfigError, CostModelConfig, SourceWeights, VLLM_STATIC_THRESHOLD_TOKENS};
 pub use kvloop_router_api::{CostModelCoefficients, PairThreshold};
 pub use model::{CostModel, Explain, FitSummary, PairChange, PairSpec, PrefillFit, TransferFit};
+pub use push::{URGENT_FACTOR, URGENT_REF_TOKENS, UrgentReason, urgent_push};
 pub use samples::{
     ChangePoint, Direction, PrefillSample, SampleError, SampleSource, SourceStats, TransferSample,
 };

@@ -105,8 +105,11 @@ pub struct Agent {
     http: reqwest::Client,
     /// Sequence of threshold pushes.
     push_seq: AtomicU64,
-    /// Wakes the push task at once (a path was invalidated).
+    /// Wakes the push task at once (a path was invalidated, or
+    /// [`kvloop_costmodel::urgent_push`] after a refit).
     push_now: Notify,
+    /// The pairs of the last update built for the routers.
+    last_pushed: Mutex<Vec<kvloop_costmodel::PairThreshold>>,
     /// The agent's own READs are timed in the kernel (eBPF loaded and its
     /// READ-site uprobes attached); otherwise they are timed in user space
     /// and labelled `source="userspace"`.
@@ -195,6 +198,7 @@ impl Agent {
             http,
             push_seq: AtomicU64::new(1),
             push_now: Notify::new(),
+            last_pushed: Mutex::new(Vec::new()),
             reads_timed_in_kernel,
             next_generation: AtomicU64::new(1),
             pulls: Mutex::new(crate::pulls::PullTracker::default()),

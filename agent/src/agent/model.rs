@@ -96,6 +96,17 @@ impl Agent {
                 ]))
                 .inc();
         }
+        let urgent = (!self.cfg.routers.is_empty())
+            .then(|| kvloop_costmodel::urgent_push(&self.last_pushed.lock(), &thresholds))
+            .flatten();
+        if let Some(reason) = urgent {
+            tracing::debug!(?reason, "cost model moved: thresholds pushed at once");
+            self.metrics
+                .pushes_early
+                .get_or_create(&labels(&[("reason", reason.label())]))
+                .inc();
+            self.push_now.notify_one();
+        }
         for t in thresholds {
             self.metrics
                 .threshold
@@ -178,6 +189,7 @@ impl Agent {
             .model
             .lock()
             .pair_thresholds(Duration::from_millis(self.cfg.valid_for_ms()));
+        self.last_pushed.lock().clone_from(&pairs);
         ThresholdUpdate {
             agent_id: self.cfg.agent_id.clone(),
             seq: self.push_seq.fetch_add(1, Ordering::Relaxed),
@@ -189,7 +201,8 @@ impl Agent {
         }
     }
 
-    /// Waits until a push is wanted at once (a path was invalidated).
+    /// Waits until a push is wanted at once (a path was invalidated, or the
+    /// cost model moved: [`kvloop_costmodel::urgent_push`]).
     pub async fn push_wanted(&self) {
         self.push_now.notified().await;
     }
