@@ -23,7 +23,11 @@
 //! 4 s per row instead of 15; `KVLOOP_BENCH_RATE`: requests/s, default 400;
 //! `KVLOOP_BENCH_BASELINE_ROUTER=<path>`: another `kvloop-router` binary,
 //! e.g. one built from an earlier commit, measured in the same run before
-//! each router row, as path `baseline`).
+//! each router row, as path `baseline`; `KVLOOP_BENCH_ROUNDS=N`: the
+//! whole set of rows N times, then the median and range of each row's
+//! added latency and CPU over the rounds, each round against its own
+//! direct row: on a shared 2-core VM one round's CPU per request moves by
+//! ±30 %).
 use std::collections::VecDeque;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -281,6 +285,87 @@ fn pin() -> Option<usize> {
     Some(router_cpu)
 }
 
+/// One row's measurement.
+struct RowResult {
+    n: usize,
+    rate: f64,
+    p50: f64,
+    p99: f64,
+    /// Router CPU per request, µs (NaN for the direct path).
+    cpu_us: f64,
+    errors: u64,
+    starved: u64,
+}
+
+fn num(x: f64) -> String {
+    if x.is_nan() {
+        "-".into()
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+/// A `kvloop-router` process from `bin` with config `cfg`, on `cpu` when pinning.
+fn start_router(bin: &str, cfg: &std::path::Path, cpu: Option<usize>) -> ReadyChild {
+    let mut c = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpu.to_string(), bin]);
+            c
+        }
+        None => Command::new(bin),
+    };
+    c.arg("--config").arg(cfg).env("RUST_LOG", "warn");
+    ReadyChild::start("router", c, None, Duration::from_secs(20)).expect("router starts")
+}
+
+/// Warms up for 1 s, then runs the open loop for `secs` through `router`
+/// (direct when `None`) and measures TTFT and the router's CPU.
+fn measure(
+    client_rt: &tokio::runtime::Runtime,
+    router: Option<&ReadyChild>,
+    pu: &str,
+    du: &str,
+    rate: f64,
+    secs: f64,
+) -> RowResult {
+    let url = router.map_or(String::new(), |c| {
+        format!("http://{}", c.get("http").unwrap())
+    });
+    let kind = if router.is_some() {
+        Path::Router
+    } else {
+        Path::Direct
+    };
+    let run = |secs| {
+        client_rt.block_on(open_loop(
+            kind,
+            url.clone(),
+            pu.into(),
+            du.into(),
+            rate,
+            secs,
+        ))
+    };
+    run(1.0);
+    let cpu0 = router.map_or(0.0, |c| cpu_s(c.pid()));
+    let t0 = Instant::now();
+    let (samples, errors, starved) = run(secs);
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = router.map_or(f64::NAN, |c| cpu_s(c.pid()) - cpu0);
+    let n = samples.len();
+    let mut t: Vec<f64> = samples.iter().map(|s| s.ttft_us).collect();
+    RowResult {
+        n,
+        rate: n as f64 / wall,
+        p50: pct(&mut t, 0.5),
+        p99: pct(&mut t, 0.99),
+        cpu_us: cpu * 1e6 / (n.max(1) as f64),
+        errors,
+        starved,
+    }
+}
+
 fn main() {
     let router_cpu = pin();
     let rate: f64 = std::env::var("KVLOOP_BENCH_RATE")
@@ -368,85 +453,88 @@ fn main() {
         ),
         None => println!("every process shares every CPU"),
     }
+    let rounds: usize = std::env::var("KVLOOP_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+        .max(1);
     println!(
-        "| path | store | prefix check | requests | req/s | TTFT p50 µs | TTFT p99 µs | added p50 µs | added p99 µs | router CPU µs/req | errors | starved ticks |"
+        "| round | path | store | prefix check | requests | req/s | TTFT p50 µs | TTFT p99 µs | added p50 µs | added p99 µs | router CPU µs/req | errors | starved ticks |"
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let mut base: Option<(f64, f64)> = None;
+    println!("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let tmp = std::env::temp_dir().join(format!("kvloop-chat-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
-    for (path, store, check) in &rows {
-        let (url, child) = if *path != "direct" {
-            let cfg = tmp.join(format!("router-{check}-{}.toml", store.len()));
-            std::fs::write(&cfg, router_toml(store, check)).unwrap();
+    // Per row: (added p50, added p99, CPU µs/req) of every round.
+    let mut per_row: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); rows.len()];
+    for round in 1..=rounds {
+        let mut base: Option<(f64, f64)> = None;
+        for (i, (path, store, check)) in rows.iter().enumerate() {
             let bin = match (*path, &baseline_bin) {
-                ("baseline", Some(b)) => b.as_str(),
-                _ => env!("CARGO_BIN_EXE_kvloop-router"),
+                ("direct", _) => None,
+                ("baseline", Some(b)) => Some(b.as_str()),
+                _ => Some(env!("CARGO_BIN_EXE_kvloop-router")),
             };
-            let mut c = match router_cpu {
-                Some(cpu) => {
-                    let mut c = Command::new("taskset");
-                    c.args(["-c", &cpu.to_string(), bin]);
-                    c
+            let router = bin.map(|bin| {
+                let cfg = tmp.join(format!("router-{check}-{}.toml", store.len()));
+                std::fs::write(&cfg, router_toml(store, check)).unwrap();
+                start_router(bin, &cfg, router_cpu)
+            });
+            let r = measure(&client_rt, router.as_ref(), &p.url(), &d.url(), rate, secs);
+            drop(router);
+            let (a50, a99) = match base {
+                Some((b50, b99)) => (r.p50 - b50, r.p99 - b99),
+                None => {
+                    base = Some((r.p50, r.p99));
+                    (f64::NAN, f64::NAN)
                 }
-                None => Command::new(bin),
             };
-            c.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
-            let child = ReadyChild::start("router", c, None, Duration::from_secs(20))
-                .expect("router starts");
-            (
-                format!("http://{}", child.get("http").unwrap()),
-                Some(child),
-            )
-        } else {
-            (String::new(), None)
-        };
-        // Warm up (connections, allocations), then measure.
-        let (pu, du) = (p.url(), d.url());
-        let kind = if *path != "direct" {
-            Path::Router
-        } else {
-            Path::Direct
-        };
-        client_rt.block_on(open_loop(
-            kind,
-            url.clone(),
-            pu.clone(),
-            du.clone(),
-            rate,
-            1.0,
-        ));
-        let cpu0 = child.as_ref().map_or(0.0, |c| cpu_s(c.pid()));
-        let t0 = Instant::now();
-        let (mut samples, errors, starved) =
-            client_rt.block_on(open_loop(kind, url, pu, du, rate, secs));
-        let wall = t0.elapsed().as_secs_f64();
-        let cpu = child.as_ref().map_or(f64::NAN, |c| cpu_s(c.pid()) - cpu0);
-        let n = samples.len();
-        let mut t: Vec<f64> = samples.drain(..).map(|s| s.ttft_us).collect();
-        let (p50, p99) = (pct(&mut t, 0.5), pct(&mut t, 0.99));
-        let (a50, a99) = match base {
-            Some((b50, b99)) => (format!("{:.0}", p50 - b50), format!("{:.0}", p99 - b99)),
-            None => {
-                base = Some((p50, p99));
-                ("-".into(), "-".into())
-            }
-        };
-        let cpu_us = if cpu.is_nan() {
-            "-".to_string()
-        } else {
-            format!("{:.0}", cpu * 1e6 / (n.max(1) as f64))
-        };
-        let store_label = if store.starts_with("redis") {
-            "redis"
-        } else {
-            store.as_str()
-        };
+            per_row[i].push((a50, a99, r.cpu_us));
+            let store_label = if store.starts_with("redis") {
+                "redis"
+            } else {
+                store.as_str()
+            };
+            println!(
+                "| {round} | {path} | {store_label} | {check} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {} |",
+                r.n,
+                r.rate,
+                r.p50,
+                r.p99,
+                num(a50),
+                num(a99),
+                num(r.cpu_us),
+                r.errors,
+                r.starved
+            );
+        }
+    }
+    if rounds > 1 {
+        println!("\n## Median of {rounds} rounds (min–max), each round against its own direct row");
         println!(
-            "| {path} | {store_label} | {check} | {n} | {:.0} | {p50:.0} | {p99:.0} | {a50} | {a99} | {cpu_us} | {errors} | {starved} |",
-            n as f64 / wall
+            "| path | store | prefix check | added p50 µs | added p99 µs | router CPU µs/req |"
         );
-        drop(child);
+        println!("|---|---|---|---:|---:|---:|");
+        for ((path, store, check), v) in rows.iter().zip(&per_row).skip(1) {
+            let col = |f: fn(&(f64, f64, f64)) -> f64| {
+                let mut x: Vec<f64> = v.iter().map(f).collect();
+                let (lo, hi) = (
+                    x.iter().copied().fold(f64::INFINITY, f64::min),
+                    x.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                );
+                format!("{:.0} ({lo:.0}–{hi:.0})", pct(&mut x, 0.5))
+            };
+            let store_label = if store.starts_with("redis") {
+                "redis"
+            } else {
+                store.as_str()
+            };
+            println!(
+                "| {path} | {store_label} | {check} | {} | {} | {} |",
+                col(|t| t.0),
+                col(|t| t.1),
+                col(|t| t.2)
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&tmp);
     drop(redis);
