@@ -297,6 +297,15 @@ struct RowResult {
     starved: u64,
 }
 
+/// The store column: `redis` for a Redis URL.
+fn store_label(store: &str) -> &str {
+    if store.starts_with("redis") {
+        "redis"
+    } else {
+        store
+    }
+}
+
 fn num(x: f64) -> String {
     if x.is_nan() {
         "-".into()
@@ -489,11 +498,7 @@ fn main() {
                 }
             };
             per_row[i].push((a50, a99, r.cpu_us));
-            let store_label = if store.starts_with("redis") {
-                "redis"
-            } else {
-                store.as_str()
-            };
+            let store_label = store_label(store);
             println!(
                 "| {round} | {path} | {store_label} | {check} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {} |",
                 r.n,
@@ -523,11 +528,7 @@ fn main() {
                 );
                 format!("{:.0} ({lo:.0}–{hi:.0})", pct(&mut x, 0.5))
             };
-            let store_label = if store.starts_with("redis") {
-                "redis"
-            } else {
-                store.as_str()
-            };
+            let store_label = store_label(store);
             println!(
                 "| {path} | {store_label} | {check} | {} | {} | {} |",
                 col(|t| t.0),

@@ -72,14 +72,7 @@ impl Rig {
     }
 
     async fn chat(&self, body: &Value) -> (u16, String) {
-        let r = self
-            .http
-            .post(format!("{}/v1/chat/completions", self.router.url()))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.text().await.unwrap())
+        post_chat(&self.http, &self.router.url(), body).await
     }
 
     async fn retries(&self) -> f64 {

@@ -151,15 +151,19 @@ impl MockCluster {
 
     /// POST a chat body; (status, raw response text).
     pub async fn chat(&self, body: &Value) -> (u16, String) {
-        let r = self
-            .http
-            .post(format!("{}/v1/chat/completions", self.router.url()))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.text().await.unwrap())
+        post_chat(&self.http, &self.router.url(), body).await
     }
+}
+
+/// POST a chat body to the router at `router_url`; (status, raw response text).
+pub async fn post_chat(http: &reqwest::Client, router_url: &str, body: &Value) -> (u16, String) {
+    let r = http
+        .post(format!("{router_url}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
 }
 
 /// P's answer: one token, P's own params, and (when given) what it reports
