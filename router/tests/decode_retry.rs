@@ -8,8 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use common::mock::*;
 use common::*;
-use kvloop_router::registry::{EngineConfig, Role};
-use kvloop_router::{ManualClock, RouterConfig};
+use kvloop_router::ManualClock;
 use serde_json::{Value, json};
 
 fn chat_body(conv: &str, messages: &[Value]) -> Value {
@@ -51,14 +50,7 @@ impl Rig {
         }))
         .await;
         let d = ResettingEngine::start(script_d(), resets).await;
-        let cfg = RouterConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            engines: vec![
-                EngineConfig::new("p0", Role::Prefill, &p.url(), "127.0.0.1", 5601),
-                EngineConfig::new("d0", Role::Decode, &d.url(), "127.0.0.1", 5602),
-            ],
-            ..RouterConfig::default()
-        };
+        let cfg = one_pair_config(&p.url(), &d.url());
         let router = kvloop_router::start(cfg, Box::new(Arc::new(ManualClock::default())))
             .await
             .expect("router starts");

@@ -114,14 +114,7 @@ impl MockCluster {
     pub async fn start(p: Script, d: Script) -> MockCluster {
         let p = MockEngine::start(p).await;
         let d = MockEngine::start(d).await;
-        let cfg = RouterConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            engines: vec![
-                EngineConfig::new("p0", Role::Prefill, &p.url(), "127.0.0.1", 5601),
-                EngineConfig::new("d0", Role::Decode, &d.url(), "127.0.0.1", 5602),
-            ],
-            ..RouterConfig::default()
-        };
+        let cfg = one_pair_config(&p.url(), &d.url());
         let clock = Arc::new(ManualClock::default());
         let router = kvloop_router::start(cfg, Box::new(clock.clone()))
             .await
@@ -152,6 +145,19 @@ impl MockCluster {
     /// POST a chat body; (status, raw response text).
     pub async fn chat(&self, body: &Value) -> (u16, String) {
         post_chat(&self.http, &self.router.url(), body).await
+    }
+}
+
+/// A router config with one prefill engine `p0` at `p_url` and one decode
+/// engine `d0` at `d_url`, listening on a free loopback port.
+pub fn one_pair_config(p_url: &str, d_url: &str) -> RouterConfig {
+    RouterConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        engines: vec![
+            EngineConfig::new("p0", Role::Prefill, p_url, "127.0.0.1", 5601),
+            EngineConfig::new("d0", Role::Decode, d_url, "127.0.0.1", 5602),
+        ],
+        ..RouterConfig::default()
     }
 }
 
