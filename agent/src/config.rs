@@ -331,7 +331,9 @@ fn one() -> u64 {
 pub enum ConfigError {
     /// TOML syntax or unknown/mistyped field (the message names it).
     #[error("agent config: {0}")]
-    Toml(#[from] toml::de::Error),
+    // Not `#[from]`: the message already carries the TOML error, and a
+    // source as well would print it twice in an error chain.
+    Toml(toml::de::Error),
     /// A field has an invalid value.
     #[error("agent config: `{field}`: expected {expected}")]
     Invalid {
@@ -343,6 +345,12 @@ pub enum ConfigError {
     /// The cost model section.
     #[error("agent config: {0}")]
     CostModel(#[from] kvloop_costmodel::ConfigError),
+}
+
+impl From<toml::de::Error> for ConfigError {
+    fn from(e: toml::de::Error) -> Self {
+        ConfigError::Toml(e)
+    }
 }
 
 fn invalid(field: impl Into<String>, expected: impl Into<String>) -> ConfigError {

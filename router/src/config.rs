@@ -234,7 +234,9 @@ impl Default for RouterConfig {
 pub enum ConfigError {
     /// TOML syntax or an unknown/mistyped field (the message names it).
     #[error("config: {0}")]
-    Toml(#[from] toml::de::Error),
+    // Not `#[from]`: the message already carries the TOML error, and a
+    // source as well would print it twice in an error chain.
+    Toml(toml::de::Error),
     /// A `[retention]` bound is invalid (the message names it).
     #[error("config: {0}")]
     Retention(String),
@@ -246,6 +248,12 @@ pub enum ConfigError {
         /// Expected.
         message: &'static str,
     },
+}
+
+impl From<toml::de::Error> for ConfigError {
+    fn from(e: toml::de::Error) -> Self {
+        ConfigError::Toml(e)
+    }
 }
 
 impl RouterConfig {

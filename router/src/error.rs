@@ -66,7 +66,7 @@ impl IntoResponse for RouteError {
     fn into_response(self) -> Response {
         let status = self.status();
         let (kind, param) = match &self {
-            RouteError::BadRequest(_) => ("invalid_request_error", None),
+            RouteError::BadRequest(b) => ("invalid_request_error", b.param()),
             RouteError::ModelNotFound(_) => ("NotFoundError", Some("model")),
             RouteError::Unavailable(_) | RouteError::Upstream(_) => ("upstream_error", None),
         };

@@ -5,7 +5,7 @@
 //! (tenant, `conversation_id`) and, on the next turn, attached to P's request
 //! when the new prompt extends what D holds and the reusable token count
 //! passes the (pushed or static) recompute threshold. See
-//! `docs/operator-guide.md`, "Router rules".
+//! `docs/protocol.md`, "Router rules".
 //!
 //! Layout: the decision logic is pure and unit-tested ([`params`],
 //! [`fingerprint`], [`store`], [`thresholds`], [`decision`], [`sse`],
@@ -83,7 +83,9 @@ impl Drop for RunningRouter {
 /// # Errors
 /// Invalid config, or the address cannot be bound.
 pub async fn start(cfg: RouterConfig, clock: Box<dyn Clock>) -> anyhow::Result<RunningRouter> {
-    let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding listen {}: {e}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let state = AppState::new(cfg, clock)?;
     server::spawn_background(&state);

@@ -78,6 +78,17 @@ impl ParsedRequest {
 #[error("{0}")]
 pub struct BadRequest(pub String);
 
+impl BadRequest {
+    /// The field the message names (the text before its first `: `, e.g.
+    /// `messages` or `kv_transfer_params`), for the error body's `param`;
+    /// `None` for the body as a whole.
+    pub fn param(&self) -> Option<&str> {
+        let (field, _) = self.0.split_once(": ")?;
+        (field != "body" && !field.is_empty() && !field.contains(char::is_whitespace))
+            .then_some(field)
+    }
+}
+
 fn bad(msg: impl Into<String>) -> BadRequest {
     BadRequest(msg.into())
 }
@@ -109,14 +120,20 @@ pub fn parse_request(
         Ok(_) => return Err(bad("body: expected a JSON object")),
         Err(e) => return Err(bad(format!("body: invalid JSON: {e}"))),
     };
+    // Refused whatever its content, for that reason first: the router alone
+    // sets it (a field error alone about an incomplete object would suggest
+    // a fix that still fails). A malformed one's bad field is named too.
     if let Some(p) = body.get("kv_transfer_params") {
         if p.is_null() {
             body.remove("kv_transfer_params");
         } else {
-            KvParams::parse(p).map_err(|e| bad(e.to_string()))?;
-            return Err(bad(
-                "kv_transfer_params: set by the router from its conversation store; clients may not supply it",
-            ));
+            let also = match KvParams::parse(p) {
+                Ok(_) => String::new(),
+                Err(e) => format!("; it is also malformed: {e}"),
+            };
+            return Err(bad(format!(
+                "kv_transfer_params: set by the router from its conversation store; clients may not supply it (omit it or send null){also}"
+            )));
         }
     }
     match api {
@@ -336,12 +353,26 @@ mod tests {
             (
                 Api::Completions,
                 json!({"prompt": "", "kv_transfer_params": {"remote_engine_id": 5}}),
-                "kv_transfer_params.remote_engine_id",
+                "kv_transfer_params: set by the router",
+            ),
+            (
+                Api::Completions,
+                json!({"prompt": "", "kv_transfer_params": {"remote_engine_id": 5}}),
+                "also malformed: kv_transfer_params.remote_engine_id",
+            ),
+            (
+                Api::Chat,
+                json!({"messages": [], "kv_transfer_params": "abc"}),
+                "kv_transfer_params: set by the router",
             ),
         ] {
             let e = parse(api, v).unwrap_err();
             assert!(e.0.contains(field), "{e}");
         }
+        let e = parse(Api::Chat, json!({"messages": 1})).unwrap_err();
+        assert_eq!(e.param(), Some("messages"));
+        assert_eq!(BadRequest("body: invalid JSON: x".into()).param(), None);
+        assert_eq!(BadRequest("no field here".into()).param(), None);
         let t = parse(Api::Completions, json!({"prompt": [1, 2, 3]})).unwrap();
         assert_eq!(t.prompt_token_ids, Some(vec![1, 2, 3]));
     }

@@ -52,8 +52,30 @@ pub fn app(state: Arc<AppState>) -> Router {
             THRESHOLDS_PATH,
             put(crate::admin::put_thresholds).get(crate::admin::get_thresholds),
         )
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// An unknown path: 404 with an OpenAI-style error body (as vLLM's server).
+async fn not_found(uri: axum::http::Uri) -> Response {
+    crate::error::error_response(
+        StatusCode::NOT_FOUND,
+        "NotFoundError",
+        None,
+        format!("no route {}", uri.path()),
+    )
+}
+
+/// A known path with another method: 405 with an OpenAI-style error body.
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    crate::error::error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        None,
+        format!("method {method} not allowed on {}", uri.path()),
+    )
 }
 
 /// Spawn the background tasks (health checks, store sweeping) for `state`;

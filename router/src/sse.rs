@@ -1,5 +1,5 @@
 //! Inspection and rewriting of D's replies (router rules 2 and 4 of
-//! `docs/operator-guide.md`). Pure: bytes in, bytes out.
+//! `docs/protocol.md`). Pure: bytes in, bytes out.
 //!
 //! D's `kv_transfer_params` are internal (block ids, engine hosts and
 //! ports): they are captured here, exactly as D wrote them, and removed from

@@ -266,6 +266,19 @@ async fn openai_surface_version_models_and_unknown_model() {
     );
     let (st, _) = c.chat(&chat_body("conv-m", &[user("hi")], false)).await;
     assert_eq!(st, 200, "a served model still works");
+    // A bad field is named in `param`; an unknown path or method gets an
+    // OpenAI error body too.
+    let (st, text) = post_chat(&c.http, &c.router.url(), &json!({"messages": 1})).await;
+    let e: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (st, e["error"]["param"].as_str()),
+        (400, Some("messages")),
+        "{e}"
+    );
+    let (st, e) = c.get("/v2/nothing").await;
+    assert_eq!((st, e["error"]["code"].as_u64()), (404, Some(404)), "{e}");
+    let (st, e) = c.get("/v1/chat/completions").await;
+    assert_eq!((st, e["error"]["code"].as_u64()), (405, Some(405)), "{e}");
 }
 
 /// Issue 12 item 6: a turn whose entry the sweeper already dropped at its

@@ -51,7 +51,9 @@ fn doctor_ping_and_top_against_a_held_demo() {
     let cfg_a = s(&nodes[0]["agent_config"]);
     let (agent_a, agent_b) = (s(&nodes[0]["agent_http"]), s(&nodes[1]["agent_http"]));
     let router = s(&held["routers"][0]);
-    assert_eq!(held["commands"].as_array().unwrap().len(), 3, "{held}");
+    let commands = held["commands"].as_array().unwrap();
+    assert_eq!(commands.len(), 4, "{held}");
+    assert!(s(&commands[3]).contains("explain --router"), "{held}");
 
     // doctor, healthy: node A's side channel is routable from B, the router
     // takes agent A's token, B's clock answers.
@@ -92,6 +94,26 @@ fn doctor_ping_and_top_against_a_held_demo() {
     // ping, injected: an address in node A where no agent listens.
     let o = tool_on(&nodes[0], &["ping", "127.0.0.1:9", "-c", "2", "--json"]);
     assert!(!o.status.success(), "ping of nothing must fail");
+
+    // explain of the router's last turns, with the printed token.
+    let host_port = router.trim_start_matches("http://");
+    let o = tool_on(
+        &nodes[0],
+        &[
+            "explain",
+            "--router",
+            host_port,
+            "--token",
+            "kvloop-demo",
+            "--last",
+            "5",
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "explain --router: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 
     // top --once --json over both agents and the router.
     let v = json_of(&tool_on(

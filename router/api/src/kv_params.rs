@@ -16,9 +16,10 @@ use crate::json::{RawObject, to_raw};
 
 /// A malformed `kv_transfer_params` object: names the field and what was expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("kv_transfer_params.{field}: expected {expected}")]
+#[error("kv_transfer_params{}: expected {expected}", if *.field == "." { String::new() } else { format!(".{}", .field) })]
 pub struct ParamsError {
-    /// Field path below `kv_transfer_params` (`"."` for the object itself).
+    /// Field path below `kv_transfer_params` (`"."` for the object itself,
+    /// shown as `kv_transfer_params: expected …`).
     pub field: &'static str,
     /// What the field must look like.
     pub expected: &'static str,
@@ -356,7 +357,14 @@ mod tests {
             let e = KvTransferParams::from_raw(o).unwrap_err();
             assert_eq!(e.field, field, "{e}");
         }
-        assert_eq!(KvTransferParams::parse("[1]").unwrap_err().field, ".");
+        let e = KvTransferParams::parse("[1]").unwrap_err();
+        assert_eq!(e.field, ".");
+        assert_eq!(e.to_string(), "kv_transfer_params: expected a JSON object");
+        let e = KvTransferParams::parse("{}").unwrap_err();
+        assert!(
+            e.to_string().starts_with("kv_transfer_params.remote_"),
+            "{e}"
+        );
     }
 
     /// Found by `make fuzz` (target `kv_params`): an optional member whose

@@ -77,7 +77,8 @@ pub(super) struct Held {
 
 impl Held {
     /// Fills [`Held::commands`]: doctor on the first node, ping from it to
-    /// the second node's agent, top over every agent, each entering the
+    /// the second node's agent, top over every agent, explain of the first
+    /// router's last turns (the demos' admin token), each entering the
     /// first node by [`HeldNode::enter`].
     pub(super) fn with_commands(mut self) -> Self {
         let exe = std::env::current_exe()
@@ -110,6 +111,14 @@ impl Held {
                 routers.join(" "),
                 agents.join(" ")
             ));
+            if let Some(r) = self.routers.first() {
+                let host_port = r.trim_start_matches("http://").trim_end_matches('/');
+                c.push(format!(
+                    "{} explain --router {host_port} --token {} --last 5",
+                    on(first),
+                    super::cluster::ADMIN_TOKEN
+                ));
+            }
         }
         self.commands = c;
         self

@@ -9,7 +9,7 @@ pub mod model;
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind};
 use ratatui::layout::{Constraint, Layout};
@@ -245,7 +245,14 @@ pub async fn run(a: TopArgs) -> Result<i32> {
         }
         return Ok(i32::from(!s.errors.is_empty()));
     }
-    let mut term = ratatui::init();
+    // The live view needs a terminal; `ratatui::init` panics without one.
+    use std::io::IsTerminal;
+    if !std::io::stdout().is_terminal() || !std::io::stdin().is_terminal() {
+        anyhow::bail!(
+            "kvloop top: the live view needs a terminal (stdin and stdout); use `--once` (or `--once --json`) for one snapshot"
+        );
+    }
+    let mut term = ratatui::try_init().context("kvloop top: starting the terminal")?;
     let r = ui_loop(&mut term, &c, &a).await;
     ratatui::restore();
     r.map(|()| 0)
