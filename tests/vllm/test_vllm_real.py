@@ -140,7 +140,13 @@ def test_conversations_reuse_and_match(cluster, words, report):
         worst = max(worst, max(diffs))
     # vLLM logs "Num successful transfers=N" every 10 s for the interval
     # before: per conversation the lines straddle the boundaries, in total
-    # they must agree (waited for until one more interval has been logged).
+    # they agree (waited for until one more interval has been logged). But
+    # an interval vLLM deems idle (no prompt or generation tokens in it and
+    # the one before) is logged at DEBUG and its counts reset
+    # (`LoggingStatLogger.log` in vllm/v1/metrics/loggers.py), so a READ
+    # whose stats land in such an interval never shows in the INFO log:
+    # fewer is vLLM's logging, more would be a READ the metrics missed. The
+    # exact count is checked per conversation on vLLM's metrics above.
     d = delta_when_settled(cluster, start, total)
     deadline = time.time() + 40
     while d["nixl_log"] < total and time.time() < deadline:
@@ -150,7 +156,7 @@ def test_conversations_reuse_and_match(cluster, words, report):
     d = delta_when_settled(cluster, start, total)
     report["figures"]["D->P READs in P's 'Num successful transfers' log lines (all 4 conversations)"] = \
         f"{int(d['nixl_log'])} (router pulled {int(d['pulled'])})"
-    if d["nixl_log"] != total:
+    if d["nixl_log"] > total or d["nixl_log"] < total - 2:
         failures.append(f"P's 'Num successful transfers' sum moved by {d['nixl_log']}, expected {total}")
     report["figures"]["max |dlogprob| reuse vs recompute"] = f"{worst:.5f} (tolerance {TOLERANCE})"
     from client import BARE_CHUNKS
