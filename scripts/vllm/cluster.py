@@ -290,6 +290,13 @@ class Cluster:
                 # the router decides; vLLM's own threshold must not veto a pull
                 "kv_recompute_threshold": 1,
                 "decoder_kv_blocks_ttl": 120,
+                # P keeps a prefill's blocks for D's READ this long (D's
+                # heartbeats extend it; vLLM's default is 30 s). On this
+                # 2-core CPU machine one engine step can stall for tens of
+                # seconds: seen, P took 21 s for a 300-token prefill and D
+                # began its READ 29-30 s after P answered, after P had
+                # released the blocks (D then answered 500).
+                "kv_lease_duration": 120,
             },
         }
         return [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
