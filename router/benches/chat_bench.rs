@@ -473,21 +473,29 @@ fn main() {
     println!("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let tmp = std::env::temp_dir().join(format!("kvloop-chat-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
+    // Each routed row's binary and config, written once for every round.
+    let routers: Vec<Option<(&str, std::path::PathBuf)>> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, (path, store, check))| {
+            let bin = match (*path, &baseline_bin) {
+                ("direct", _) => return None,
+                ("baseline", Some(b)) => b.as_str(),
+                _ => env!("CARGO_BIN_EXE_kvloop-router"),
+            };
+            let cfg = tmp.join(format!("router-{i}.toml"));
+            std::fs::write(&cfg, router_toml(store, check)).unwrap();
+            Some((bin, cfg))
+        })
+        .collect();
     // Per row: (added p50, added p99, CPU µs/req) of every round.
     let mut per_row: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); rows.len()];
     for round in 1..=rounds {
         let mut base: Option<(f64, f64)> = None;
         for (i, (path, store, check)) in rows.iter().enumerate() {
-            let bin = match (*path, &baseline_bin) {
-                ("direct", _) => None,
-                ("baseline", Some(b)) => Some(b.as_str()),
-                _ => Some(env!("CARGO_BIN_EXE_kvloop-router")),
-            };
-            let router = bin.map(|bin| {
-                let cfg = tmp.join(format!("router-{check}-{}.toml", store.len()));
-                std::fs::write(&cfg, router_toml(store, check)).unwrap();
-                start_router(bin, &cfg, router_cpu)
-            });
+            let router = routers[i]
+                .as_ref()
+                .map(|(bin, cfg)| start_router(bin, cfg, router_cpu));
             let r = measure(&client_rt, router.as_ref(), &p.url(), &d.url(), rate, secs);
             drop(router);
             let (a50, a99) = match base {
@@ -522,11 +530,8 @@ fn main() {
         for ((path, store, check), v) in rows.iter().zip(&per_row).skip(1) {
             let col = |f: fn(&(f64, f64, f64)) -> f64| {
                 let mut x: Vec<f64> = v.iter().map(f).collect();
-                let (lo, hi) = (
-                    x.iter().copied().fold(f64::INFINITY, f64::min),
-                    x.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-                );
-                format!("{:.0} ({lo:.0}–{hi:.0})", pct(&mut x, 0.5))
+                let median = pct(&mut x, 0.5); // sorts x
+                format!("{median:.0} ({:.0}–{:.0})", x[0], x[x.len() - 1])
             };
             let store_label = store_label(store);
             println!(

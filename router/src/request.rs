@@ -187,12 +187,6 @@ pub fn parse_request(
     })
 }
 
-/// `body` as JSON with `kv_transfer_params` set to `params`, spliced in as
-/// its exact text (a `serde_json::Value` would re-spell D's numbers).
-pub fn with_params(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
-    write_body(body, params, &[], &[])
-}
-
 /// An override of one member of the client's body.
 struct Override {
     key: &'static str,
@@ -201,10 +195,12 @@ struct Override {
     insert: bool,
 }
 
-/// `{"kv_transfer_params":<params>,...}`: the members of `body` in order,
-/// without `kv_transfer_params` and the `drop` keys, with `overrides`
-/// replacing (or, where `insert`, adding) theirs. Written straight from
-/// the borrowed body: no copy of the client's messages.
+/// `{"kv_transfer_params":<params>,...}`: `params` spliced in as its exact
+/// text (a `serde_json::Value` would re-spell D's numbers), then the
+/// members of `body` in order, without `kv_transfer_params` and the `drop`
+/// keys, with `overrides` replacing (or, where `insert`, adding) theirs.
+/// Written straight from the borrowed body: no copy of the client's
+/// messages.
 fn write_body(
     body: &Map<String, Value>,
     params: &RawValue,
@@ -217,8 +213,7 @@ fn write_body(
         out.push(b':');
         serde_json::to_writer(&mut *out, value).expect("a JSON value serializes");
     }
-    // The body as the client sent it is at most this long, plus params.
-    let mut out = Vec::with_capacity(params.get().len() + 64 * (body.len() + 1) + 4096);
+    let mut out = Vec::with_capacity(params.get().len() + 4096);
     out.extend_from_slice(b"{\"kv_transfer_params\":");
     out.extend_from_slice(params.get().as_bytes());
     for (k, v) in body {
@@ -272,7 +267,7 @@ pub fn prefill_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
 
 /// The decode request: the client's body with P's params.
 pub fn decode_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
-    with_params(body, params)
+    write_body(body, params, &[], &[])
 }
 
 /// The `/tokenize` request for a prompt: `model` plus `prompt` (completions)
@@ -429,7 +424,7 @@ mod tests {
         let d: Value = serde_json::from_slice(&decode_body(&bare, &params)).unwrap();
         assert_eq!(d["max_completion_tokens"], 7);
         assert!(d.get("max_tokens").is_none() && d.get("stream").is_none());
-        let empty = with_params(&Map::new(), &params);
+        let empty = decode_body(&Map::new(), &params);
         assert_eq!(empty, br#"{"kv_transfer_params":{"t":1214.2449693849999}}"#);
     }
 }

@@ -19,10 +19,10 @@ pub const URGENT_REF_TOKENS: f64 = 4096.0;
 /// Factor by which the predicted READ or recompute time of
 /// [`URGENT_REF_TOKENS`] must move to push at once. Measured with the
 /// simulator of `tests/urgent_push.rs` (one pushed update per second,
-/// refits every 250 ms): on a steady path under ±50 % noise it fired 0
-/// times in 5 min, under ±80 % 7 times (against 300 periodic pushes);
-/// after a 4× or 10× step, at the first refit after the change detector
-/// found it (1.25–2.5 s).
+/// refits every 250 ms): on a steady path under ±20–80 % noise it fired
+/// 0–1 times in 120 s (against 120 periodic pushes); after a 10× slower
+/// or 4× faster step, at the first refit after the change detector found
+/// it (1.25–2.75 s).
 pub const URGENT_FACTOR: f64 = 1.5;
 
 /// Why an update is pushed at once.
@@ -63,7 +63,9 @@ impl UrgentReason {
 /// last update pushed) enough to push at once, and why. `None`: wait for
 /// the period.
 pub fn urgent_push(pushed: &[PairThreshold], now: &[PairThreshold]) -> Option<UrgentReason> {
-    let key = |t: &PairThreshold| (t.prefill_engine_id.clone(), t.decode_engine_id.clone());
+    fn key(t: &PairThreshold) -> (&str, &str) {
+        (&t.prefill_engine_id, &t.decode_engine_id)
+    }
     let before: HashMap<_, _> = pushed.iter().map(|t| (key(t), t)).collect();
     if before.len() != now.len() {
         return Some(UrgentReason::PairSet);

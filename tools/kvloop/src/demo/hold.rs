@@ -112,9 +112,8 @@ impl Held {
                 agents.join(" ")
             ));
             if let Some(r) = self.routers.first() {
-                let host_port = r.trim_start_matches("http://").trim_end_matches('/');
                 c.push(format!(
-                    "{} explain --router {host_port} --token {} --last 5",
+                    "{} explain --router {r} --token {} --last 5",
                     on(first),
                     super::cluster::ADMIN_TOKEN
                 ));
