@@ -312,6 +312,7 @@ async fn route_inner(
         p_idx,
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
         compute_ms,
+        decision.attach.is_some(),
     );
     let pull_failed = || {
         if let Some((k, t)) = &taken {

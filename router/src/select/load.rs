@@ -15,9 +15,32 @@ use crate::clock::Clock;
 /// when the engine last finished the head of this line, ms.
 #[derive(Default)]
 struct Fifo {
-    /// `(guard id, sent at ms, predicted compute µs)`.
-    items: VecDeque<(u64, u64, u64)>,
+    items: VecDeque<Item>,
     last_done_ms: Option<u64>,
+}
+
+/// One outstanding prefill of this replica.
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    /// Its guard.
+    id: u64,
+    /// Sent at, ms.
+    sent_ms: u64,
+    /// Predicted compute, µs.
+    compute_us: u64,
+    /// Sent with D's params: P READs the prefix before it computes.
+    pulled: bool,
+    /// A pulled prefill that a prefill sent after it has overtaken: P
+    /// computed that one first, so this one is still READing D's blocks
+    /// and holds no place in P's compute line (see [`PrefillGuard`]).
+    overtaken: bool,
+}
+
+impl Item {
+    /// In P's compute line (not READing past its turn).
+    fn queued(&self) -> bool {
+        !self.overtaken
+    }
 }
 
 /// Other router replicas' outstanding prefills on one engine, as they last
@@ -71,8 +94,15 @@ fn known_work(e: &Engine, now_ms: u64) -> (f64, usize) {
     let (own_head, own_total, own_done, own_n) = {
         let f = e.fifo.lock();
         (
-            f.items.front().map(|x| (x.1, x.2)),
-            f.items.iter().map(|x| x.2).sum::<u64>(),
+            f.items
+                .iter()
+                .find(|x| x.queued())
+                .map(|x| (x.sent_ms, x.compute_us)),
+            f.items
+                .iter()
+                .filter(|x| x.queued())
+                .map(|x| x.compute_us)
+                .sum::<u64>(),
             f.last_done_ms,
             f.items.len(),
         )
@@ -108,6 +138,16 @@ pub struct LoadBook {
 }
 
 /// Outstanding prefill tokens on one engine while alive.
+///
+/// Dropped when P answered: P computes one prefill at a time, first come
+/// first served, so the next one in its line starts now. A pulled prefill
+/// sent before this one and still outstanding has been overtaken: it
+/// joins P's compute line only when its READ ends (vLLM schedules a
+/// request once its remote KV arrived; `kvloop-engine-sim` likewise), and
+/// a READ that runs long (a degraded path) would otherwise stand at the
+/// head of the line and make P look busy for as long as it lasts. It stays
+/// counted in the engine's requests (P reports it as waiting) and leaves
+/// the book when P answers it.
 pub struct PrefillGuard {
     book: Arc<LoadBook>,
     engine: u16,
@@ -121,9 +161,14 @@ impl Drop for PrefillGuard {
             e.outstanding_prefill_tokens
                 .fetch_sub(self.tokens, Ordering::Relaxed);
             let mut f = e.fifo.lock();
-            if let Some(pos) = f.items.iter().position(|x| x.0 == self.id) {
+            if let Some(pos) = f.items.iter().position(|x| x.id == self.id) {
                 f.items.remove(pos);
-                if pos == 0 {
+                let mut was_head = true;
+                for x in f.items.iter_mut().take(pos) {
+                    x.overtaken |= x.pulled;
+                    was_head &= !x.queued();
+                }
+                if was_head {
                     // The next one starts now.
                     f.last_done_ms = Some(self.book.clock.now_ms());
                 }
@@ -166,12 +211,14 @@ impl LoadBook {
 
     /// Count `tokens` (and `compute_ms`, the selection's prediction of
     /// their compute, when there is one) outstanding on prefill engine
-    /// `engine` until the guard drops. An unknown index counts nothing.
+    /// `engine` until the guard drops; `pulled`: sent with D's params (P
+    /// READs the prefix first). An unknown index counts nothing.
     pub fn begin_prefill(
         self: &Arc<Self>,
         engine: u16,
         tokens: u64,
         compute_ms: Option<f64>,
+        pulled: bool,
     ) -> PrefillGuard {
         let compute_ms = compute_ms.filter(|m| m.is_finite() && *m >= 0.0);
         let compute_us = compute_ms.map_or(0, |m| (m * 1e3) as u64);
@@ -180,7 +227,13 @@ impl LoadBook {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
             let now = self.clock.now_ms();
-            e.fifo.lock().items.push_back((id, now, compute_us));
+            e.fifo.lock().items.push_back(Item {
+                id,
+                sent_ms: now,
+                compute_us,
+                pulled,
+                overtaken: false,
+            });
         }
         if let Some(m) = compute_ms {
             let _ = self.mean_prefill_ms_bits.fetch_update(
@@ -292,7 +345,9 @@ impl LoadBook {
     /// were sent. The sum of their predicted compute, less what the head of
     /// the merged line has done since it could start (sent, and the one
     /// before it finished), at most its own prediction: a P deep into a
-    /// long prefill does not look as busy as when it began.
+    /// long prefill does not look as busy as when it began. A pulled
+    /// prefill overtaken by a later one is left out: it is still READing
+    /// ([`PrefillGuard`]).
     pub fn remaining_ms(&self, engine: u16, now_ms: u64) -> f64 {
         self.engines
             .get(usize::from(engine))
@@ -308,7 +363,8 @@ impl LoadBook {
             items: f
                 .items
                 .iter()
-                .map(|x| (now_ms.saturating_sub(x.1), x.2))
+                .filter(|x| x.queued())
+                .map(|x| (now_ms.saturating_sub(x.sent_ms), x.compute_us))
                 .collect(),
             done_age_ms: f.last_done_ms.map(|d| now_ms.saturating_sub(d)),
         })
@@ -373,8 +429,8 @@ mod tests {
     #[test]
     fn guards_count_while_alive() {
         let (b, _) = book(3);
-        let g1 = b.begin_prefill(0, 100, None);
-        let g2 = b.begin_prefill(0, 50, None);
+        let g1 = b.begin_prefill(0, 100, None, false);
+        let g2 = b.begin_prefill(0, 50, None, false);
         let d = b.begin_decode(2);
         assert_eq!(b.outstanding_prefill_tokens(0), 150);
         assert_eq!(b.inflight_decode_streams(2), 1);
@@ -383,7 +439,7 @@ mod tests {
         drop((g2, d));
         assert_eq!(b.outstanding_prefill_tokens(0), 0);
         assert_eq!(b.inflight_decode_streams(2), 0);
-        let _ = b.begin_prefill(9, 5, None); // unknown index: ignored
+        let _ = b.begin_prefill(9, 5, None, false); // unknown index: ignored
         assert_eq!(b.kv_usage(2), None, "not reported");
         b.set_kv_usage(2, Some(0.42));
         assert_eq!(b.kv_usage(2), Some(0.42));
@@ -397,8 +453,8 @@ mod tests {
     fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
         let (b, _) = book(2);
         assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
-        let g = b.begin_prefill(0, 1000, Some(100.0));
-        let _h = b.begin_prefill(0, 1000, Some(200.0)); // mean 100 + 0.2 × 100 = 120
+        let g = b.begin_prefill(0, 1000, Some(100.0), false);
+        let _h = b.begin_prefill(0, 1000, Some(200.0), false); // mean 100 + 0.2 × 100 = 120
         assert_eq!(b.queue_ms(0, 0), Some(300.0));
         assert_eq!(b.queue_ms(1, 0), Some(0.0));
         // Two requests this replica does not know of: the mean each.
@@ -432,9 +488,9 @@ mod tests {
     fn remaining_work_counts_down_as_the_head_computes() {
         let (b, clock) = book(1);
         clock.advance(1000);
-        let g1 = b.begin_prefill(0, 10, Some(600.0));
+        let g1 = b.begin_prefill(0, 10, Some(600.0), false);
         clock.advance(100);
-        let g2 = b.begin_prefill(0, 10, Some(300.0));
+        let g2 = b.begin_prefill(0, 10, Some(300.0), false);
         assert_eq!(
             b.remaining_ms(0, 1100),
             800.0,
@@ -455,7 +511,7 @@ mod tests {
         );
         assert_eq!(b.queue_ms(0, 1600), Some(200.0));
         // One that answers out of order leaves the head's start alone.
-        let g3 = b.begin_prefill(0, 10, Some(50.0));
+        let g3 = b.begin_prefill(0, 10, Some(50.0), false);
         drop(g3);
         assert_eq!(b.remaining_ms(0, 1600), 200.0);
         drop(g2);
@@ -464,10 +520,45 @@ mod tests {
     }
 
     #[test]
+    fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
+        let (b, clock) = book(1);
+        clock.advance(1000);
+        // A pull whose READ runs long (a degraded path), then two recomputes.
+        let pull = b.begin_prefill(0, 10, Some(400.0), true);
+        clock.advance(10);
+        let r1 = b.begin_prefill(0, 10, Some(100.0), false);
+        let r2 = b.begin_prefill(0, 10, Some(300.0), false);
+        // Before anything answers, the pull is assumed at the head.
+        assert_eq!(b.remaining_ms(0, 1010), 790.0);
+        clock.advance(100);
+        drop(r1); // P answered r1 at 1110 while the pull was still READing
+        assert_eq!(
+            b.remaining_ms(0, 1110),
+            300.0,
+            "only r2 is in P's line, and it starts now"
+        );
+        assert_eq!(b.remaining_ms(0, 1210), 200.0);
+        let line = b.own_line(0, 1210).unwrap();
+        assert_eq!(line.items, vec![(200, 300_000)], "shared without the pull");
+        // Still counted among P's requests: a report of 2 adds nothing.
+        b.set_reported_requests(0, Some(2));
+        assert_eq!(b.queue_ms(0, 1210), Some(200.0));
+        drop(r2);
+        drop(pull);
+        assert_eq!(b.remaining_ms(0, 1210), 0.0);
+        // A recompute is never overtaken: P computes in order.
+        let slow = b.begin_prefill(0, 10, Some(400.0), false);
+        let quick = b.begin_prefill(0, 10, Some(100.0), false);
+        drop(quick);
+        assert_eq!(b.remaining_ms(0, 1110), 400.0, "sent at 1110");
+        drop(slow);
+    }
+
+    #[test]
     fn shared_lines_merge_with_the_own_one_in_sending_order() {
         let (b, clock) = book(2);
         clock.advance(1000);
-        let _own = b.begin_prefill(0, 10, Some(300.0)); // sent at 1000
+        let _own = b.begin_prefill(0, 10, Some(300.0), false); // sent at 1000
         // Another replica sent 500 ms of work at 900 (ahead of ours) and
         // 200 ms at 1050.
         b.set_shared_line(
