@@ -12,6 +12,7 @@
 //! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
 //! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `shape`, `result` | active probe READs (`shape`: descriptors per block id x bytes per descriptor, e.g. `128x4096`) |
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |
+//! | `kvloop_agent_probe_confirm_rounds` | counter | `peer` | probe rounds run off the period because a probe READ was off the path's model (`crate::probe_plan::confirm_again`) |
 //! | `kvloop_agent_kernel_transfers` | counter | `site`, `result` | kernel-timed transfers drained: `recorded` for the cost model, else why not ([`crate::observe::Skip`]) |
 //! | `kvloop_agent_path_bandwidth_bytes_per_second` | gauge | `peer` | fitted bandwidth of the inbound path |
 //! | `kvloop_agent_path_fixed_cost_ms` | gauge | `peer` | fitted fixed cost per READ |
@@ -68,6 +69,8 @@ pub struct Metrics {
     pub probe_reads: Family<Labels, Counter>,
     /// Probe rounds skipped by the rate limit.
     pub probe_skipped: Family<Labels, Counter>,
+    /// Probe rounds run off the period to confirm an off-model READ.
+    pub probe_confirm_rounds: Family<Labels, Counter>,
     /// Kernel-timed transfers drained, by site and result.
     pub kernel_transfers: Family<Labels, Counter>,
     /// Fitted bandwidth.
@@ -155,6 +158,11 @@ impl Metrics {
             "probe_skipped",
             "Probe rounds skipped by the rate limit",
             self.probe_skipped.clone(),
+        );
+        r.register(
+            "probe_confirm_rounds",
+            "Probe rounds run off the period because a probe READ was off the path's model",
+            self.probe_confirm_rounds.clone(),
         );
         r.register(
             "kernel_transfers",

@@ -85,6 +85,40 @@ impl ProbePlan {
     }
 }
 
+/// A probe READ this many times slower or faster than the path's fitted
+/// model predicts is off the model: the peer is probed again at once
+/// ([`confirm_again`]).
+pub const CONFIRM_FACTOR: f64 = 2.0;
+
+/// Most rounds a peer is probed again in a row, off the period, before an
+/// on-model READ: enough for the change detector to decide (its CUSUM
+/// crosses `change_detect_threshold` after 2–3 samples clipped at 3σ,
+/// `kvloop_costmodel`), bounded by the peer's probe rate limit.
+pub const MAX_CONFIRM_ROUNDS: u32 = 3;
+
+/// Wait before a confirming round, ms: long enough for a READ on a fast
+/// path to leave the queues, far below any probe period.
+pub const CONFIRM_GAP_MS: u64 = 50;
+
+/// Whether a probe READ that took `observed_ms` against the fitted model's
+/// `predicted_ms` calls for another probe of the same peer before the next
+/// period: off by [`CONFIRM_FACTOR`] either way. A degraded or restored
+/// link is then found by the change detector within a few confirming
+/// rounds (tens to hundreds of ms) instead of a few probe periods, which
+/// is when the routers stop, or start again, pulling over it. Like BFD's
+/// poll sequence (RFC 5880 §6.5): when something looks wrong, ask again
+/// now rather than at the next interval. `false` without a prediction.
+pub fn confirm_again(observed_ms: f64, predicted_ms: Option<f64>) -> bool {
+    let Some(p) = predicted_ms.filter(|p| p.is_finite() && *p > 0.0) else {
+        return false;
+    };
+    if !observed_ms.is_finite() || observed_ms <= 0.0 {
+        return false;
+    }
+    let r = observed_ms / p;
+    r >= CONFIRM_FACTOR || r <= 1.0 / CONFIRM_FACTOR
+}
+
 /// `<num_regions>x<block_len_bytes>` of a layout.
 pub fn shape_label(l: &KvLayout) -> String {
     format!("{}x{}", l.num_regions, l.block_len_bytes)
@@ -231,5 +265,24 @@ mod tests {
         assert_eq!(shapes_to_probe(&[a], &[b]), vec![None]);
         assert_eq!(shapes_to_probe(&[a, b], &[b]), vec![Some(1)]);
         assert_eq!(shapes_to_probe(&[a, b], &[b, a]), vec![Some(0), Some(1)]);
+    }
+
+    #[test]
+    fn a_read_off_the_model_either_way_is_confirmed_at_once() {
+        // A link lowered to a tenth: 10× slower.
+        assert!(confirm_again(100.0, Some(10.0)));
+        // Restored: 10× faster than the slow model.
+        assert!(confirm_again(10.0, Some(100.0)));
+        // Exactly the factor either way counts.
+        assert!(confirm_again(20.0, Some(10.0)));
+        assert!(confirm_again(5.0, Some(10.0)));
+        // Noise within the factor does not.
+        assert!(!confirm_again(19.0, Some(10.0)));
+        assert!(!confirm_again(6.0, Some(10.0)));
+        // No fit yet, or nonsense: nothing to judge by.
+        assert!(!confirm_again(100.0, None));
+        assert!(!confirm_again(100.0, Some(0.0)));
+        assert!(!confirm_again(f64::NAN, Some(10.0)));
+        assert!(!confirm_again(0.0, Some(10.0)));
     }
 }

@@ -170,6 +170,16 @@ impl Agent {
         }
     }
 
+    /// The inbound path model's prediction for a READ of `bytes` in
+    /// `descriptors` from `peer`, ms (`None` before a fit).
+    pub fn predict_read_ms(&self, peer: &str, bytes: u64, descriptors: u64) -> Option<f64> {
+        let now = self.now();
+        self.model
+            .lock()
+            .transfer_fit(peer, CmDirection::Inbound, now)
+            .map(|f| f.coefficients.predict_ms(bytes, descriptors))
+    }
+
     /// Feeds a READ timed in user space to the probes' transfer histograms
     /// (`source="userspace"`), where the kernel does not time this agent's
     /// READs.

@@ -1,7 +1,7 @@
 //! Active probes: per round and peer, one small and one large READ of the
 //! peer's probe engine in each shared shape (`crate::probe_plan`),
 //! rate-limited per peer ([`RateLimit`]).
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ use kvloop_dataplane::{BlockPair, ReadRequest};
 
 use crate::agent::Agent;
 use crate::metrics::labels;
+use crate::probe_plan;
 
 /// Token bucket of one peer's probe traffic.
 #[derive(Debug, Clone, Copy)]
@@ -51,7 +52,11 @@ impl RateLimit {
 /// shape both sides probe in ([`crate::agent::ProbeTarget`]: the registered
 /// engines' layouts where the peer has them too, else the configured
 /// layout), recorded as [`SampleSource::ActiveProbe`]. A peer's rounds
-/// share one rate limit; a shape whose round does not fit is skipped.
+/// share one rate limit; a shape whose round does not fit is skipped. A
+/// large READ off the path's model ([`probe_plan::confirm_again`]) has its
+/// peer probed again after [`probe_plan::CONFIRM_GAP_MS`], up to
+/// [`probe_plan::MAX_CONFIRM_ROUNDS`] times before an on-model READ,
+/// instead of at the next period.
 pub async fn run(agent: Arc<Agent>) {
     if agent.probe_engine().is_none() {
         return;
@@ -61,10 +66,30 @@ pub async fn run(agent: Arc<Agent>) {
     let mut tick = tokio::time::interval(Duration::from_millis(p.period_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut round: u64 = 0;
+    // Peers to probe again off the period, and how many such rounds each
+    // has left before an on-model READ.
+    let mut confirm: HashSet<String> = HashSet::new();
+    let mut confirms_left: HashMap<String, u32> = HashMap::new();
     loop {
-        tick.tick().await;
+        let only = std::mem::take(&mut confirm);
+        if only.is_empty() {
+            tick.tick().await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(probe_plan::CONFIRM_GAP_MS)).await;
+        }
         round += 1;
         for t in agent.probe_targets() {
+            if !only.is_empty() && !only.contains(&t.peer) {
+                continue;
+            }
+            let peer_labels = labels(&[("peer", &t.peer)]);
+            if !only.is_empty() {
+                agent
+                    .metrics()
+                    .probe_confirm_rounds
+                    .get_or_create(&peer_labels)
+                    .inc();
+            }
             let now = agent.now_ms();
             let round_bytes = t.plan.round_bytes();
             let shape = t.plan.shape_label();
@@ -75,7 +100,7 @@ pub async fn run(agent: Arc<Agent>) {
                 agent
                     .metrics()
                     .probe_skipped
-                    .get_or_create(&labels(&[("peer", &t.peer)]))
+                    .get_or_create(&peer_labels)
                     .inc();
                 continue;
             }
@@ -117,7 +142,26 @@ pub async fn run(agent: Arc<Agent>) {
                     ]))
                     .inc();
                 match r {
-                    Ok(o) => agent.record_own_read(&t.peer, &o, SampleSource::ActiveProbe),
+                    Ok(o) => {
+                        // Judged against the model before this READ enters it.
+                        let predicted =
+                            agent.predict_read_ms(&t.peer, o.bytes, u64::from(o.descriptors));
+                        agent.record_own_read(&t.peer, &o, SampleSource::ActiveProbe);
+                        if size == "large" {
+                            let observed_ms = o.elapsed_us as f64 / 1e3;
+                            if probe_plan::confirm_again(observed_ms, predicted) {
+                                let left = confirms_left
+                                    .entry(t.peer.clone())
+                                    .or_insert(probe_plan::MAX_CONFIRM_ROUNDS);
+                                if *left > 0 {
+                                    *left -= 1;
+                                    confirm.insert(t.peer.clone());
+                                }
+                            } else {
+                                confirms_left.remove(&t.peer);
+                            }
+                        }
+                    }
                     Err(e) => {
                         tracing::debug!(peer = %t.peer, %shape, error = %e, "probe READ failed")
                     }
