@@ -162,7 +162,7 @@ pub struct ProbeConfig {
     pub follow_engines: bool,
     /// Period between probe rounds (one small and one large READ per peer), ms [250]; a
     /// peer whose large probe READ was off its model by 2× is probed again after 50 ms,
-    /// up to 3 times (`crate::probe_plan::confirm_again`).
+    /// up to 4 times (`crate::probe_plan::confirm_again`).
     pub period_ms: u64,
     /// Rate limit of probe traffic per peer, bytes/s; a round is skipped
     /// while the budget is exhausted [67108864 (64 MiB/s)].

@@ -14,6 +14,8 @@
 //!   path invalidation.
 //! * [`garbage`]: rate-limited warnings about garbage from clients.
 //! * [`observe`]: which peer a kernel-timed transfer is for (pure).
+//! * [`overdue`]: lower-bound samples of READs in flight past their
+//!   path's prediction (pure).
 //! * [`http`]: `/metrics`, `/healthz`, agent-to-agent `/v1/` API.
 //! * [`caps`]: which Linux capability an eBPF permission failure lacks.
 //! * [`check`]: `kvloop-agent --check` readiness report.
@@ -29,6 +31,7 @@ pub mod lease;
 pub mod metrics;
 pub mod netstate;
 pub mod observe;
+pub mod overdue;
 pub mod probe_plan;
 pub mod pulls;
 pub mod server;

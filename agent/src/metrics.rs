@@ -12,6 +12,7 @@
 //! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
 //! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `shape`, `result` | active probe READs (`shape`: descriptors per block id x bytes per descriptor, e.g. `128x4096`) |
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |
+//! | `kvloop_agent_reads_overdue` | counter | `peer` | READs (managed and probe) still in flight far past their path's prediction, each recorded as a lower-bound sample (`crate::overdue`) |
 //! | `kvloop_agent_probe_confirm_rounds` | counter | `peer` | probe rounds run off the period because a probe READ was off the path's model (`crate::probe_plan::confirm_again`) |
 //! | `kvloop_agent_kernel_transfers` | counter | `site`, `result` | kernel-timed transfers drained: `recorded` for the cost model, else why not ([`crate::observe::Skip`]) |
 //! | `kvloop_agent_path_bandwidth_bytes_per_second` | gauge | `peer` | fitted bandwidth of the inbound path |
@@ -69,6 +70,8 @@ pub struct Metrics {
     pub probe_reads: Family<Labels, Counter>,
     /// Probe rounds skipped by the rate limit.
     pub probe_skipped: Family<Labels, Counter>,
+    /// READs in flight far past their prediction (lower-bound samples).
+    pub reads_overdue: Family<Labels, Counter>,
     /// Probe rounds run off the period to confirm an off-model READ.
     pub probe_confirm_rounds: Family<Labels, Counter>,
     /// Kernel-timed transfers drained, by site and result.
@@ -158,6 +161,11 @@ impl Metrics {
             "probe_skipped",
             "Probe rounds skipped by the rate limit",
             self.probe_skipped.clone(),
+        );
+        r.register(
+            "reads_overdue",
+            "READs still in flight far past their path's prediction, recorded as lower-bound samples",
+            self.reads_overdue.clone(),
         );
         r.register(
             "probe_confirm_rounds",

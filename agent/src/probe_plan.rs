@@ -91,10 +91,13 @@ impl ProbePlan {
 pub const CONFIRM_FACTOR: f64 = 2.0;
 
 /// Most rounds a peer is probed again in a row, off the period, before an
-/// on-model READ: enough for the change detector to decide (its CUSUM
-/// crosses `change_detect_threshold` after 2–3 samples clipped at 3σ,
-/// `kvloop_costmodel`), bounded by the peer's probe rate limit.
-pub const MAX_CONFIRM_ROUNDS: u32 = 3;
+/// on-model READ: with the round that raised the doubt, enough for the
+/// change detector to decide. Its CUSUM gains at most 2.5 per sample (a
+/// residual clipped at 3σ less the slack 0.5) and alarms above
+/// `change_detect_threshold` (20 by default, `kvloop_costmodel`), so after
+/// 9 samples far off; a round gives 2 (its small and its large READ).
+/// Bounded by the peer's probe rate limit.
+pub const MAX_CONFIRM_ROUNDS: u32 = 4;
 
 /// Wait before a confirming round, ms: long enough for a READ on a fast
 /// path to leave the queues, far below any probe period.

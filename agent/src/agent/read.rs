@@ -74,14 +74,17 @@ impl Agent {
             }
         }
         let in_flight = InFlight::enter(&self.metrics.reads_in_flight);
-        let r = e
-            .read(&ReadRequest {
-                peer_engine_id: peer_engine_id.to_string(),
-                blocks,
-                direction: direction.to_dataplane(),
-                notify,
-                timeout_ms,
-            })
+        let peer = self.peer_of_engine(peer_engine_id);
+        let n_blocks = blocks.len();
+        let req = ReadRequest {
+            peer_engine_id: peer_engine_id.to_string(),
+            blocks,
+            direction: direction.to_dataplane(),
+            notify,
+            timeout_ms,
+        };
+        let r = self
+            .watch_read(peer.as_deref(), e.layout(), n_blocks, e.read(&req))
             .await;
         drop(in_flight);
         match r {
@@ -98,8 +101,8 @@ impl Agent {
                 if !self.reads_timed_in_kernel {
                     self.observe_read_userspace(peer_engine_id, direction, &o);
                 }
-                if let Some(peer) = self.peer_of_engine(peer_engine_id) {
-                    self.record_own_read(&peer, &o, SampleSource::Userspace);
+                if let Some(peer) = &peer {
+                    self.record_own_read(peer, &o, SampleSource::Userspace);
                 }
                 Ok(o)
             }
@@ -167,6 +170,64 @@ impl Agent {
             .record_transfer(peer, CmDirection::Inbound, s)
         {
             tracing::debug!(error = %e, "transfer sample rejected");
+        }
+    }
+
+    /// Runs `read`, a READ of `blocks` block ids of `layout` from `peer`,
+    /// and while it is in flight past the path model's prediction records it
+    /// in the model as taking at least as long as it has so far, at each
+    /// mark of [`crate::overdue::marks_ms`] (`kvloop_agent_reads_overdue_total`).
+    /// Without a peer or a fit it only runs `read`.
+    pub async fn watch_read<T>(
+        &self,
+        peer: Option<&str>,
+        layout: &kvloop_dataplane::KvLayout,
+        blocks: usize,
+        read: impl std::future::Future<Output = T>,
+    ) -> T {
+        let bytes = blocks as u64 * layout.bytes_per_block_id();
+        let descriptors = blocks as u64 * u64::from(layout.num_regions);
+        let Some(peer) = peer else {
+            return read.await;
+        };
+        let marks = crate::overdue::marks_ms(self.predict_read_ms(peer, bytes, descriptors));
+        if marks.is_empty() {
+            return read.await;
+        }
+        tokio::pin!(read);
+        let start = tokio::time::Instant::now();
+        for m in marks {
+            let at = start + Duration::from_secs_f64(m / 1e3);
+            tokio::select! {
+                r = &mut read => return r,
+                _ = tokio::time::sleep_until(at) => {
+                    self.record_overdue(peer, bytes, descriptors, start.elapsed());
+                }
+            }
+        }
+        read.await
+    }
+
+    /// A READ from `peer` in flight for `elapsed`: a lower-bound sample of
+    /// the inbound path (see [`crate::overdue`]).
+    fn record_overdue(&self, peer: &str, bytes: u64, descriptors: u64, elapsed: Duration) {
+        self.metrics
+            .reads_overdue
+            .get_or_create(&labels(&[("peer", peer)]))
+            .inc();
+        let s = TransferSample {
+            at: self.now(),
+            bytes,
+            descriptors,
+            latency: elapsed.max(Duration::from_micros(1)),
+            source: SampleSource::Userspace,
+        };
+        if let Err(e) = self
+            .model
+            .lock()
+            .record_transfer(peer, CmDirection::Inbound, s)
+        {
+            tracing::debug!(error = %e, "overdue sample rejected");
         }
     }
 

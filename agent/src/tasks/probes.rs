@@ -120,15 +120,21 @@ pub async fn run(agent: Arc<Agent>) {
                         }
                     })
                     .collect();
-                let r = t
-                    .engine
-                    .read(&ReadRequest {
-                        peer_engine_id: t.remote_engine_id.clone(),
-                        blocks,
-                        direction: kvloop_common::Direction::Probe,
-                        notify: None,
-                        timeout_ms: Some(agent.config().read_timeout_ms.max(10_000)),
-                    })
+                let n_blocks = blocks.len();
+                let req = ReadRequest {
+                    peer_engine_id: t.remote_engine_id.clone(),
+                    blocks,
+                    direction: kvloop_common::Direction::Probe,
+                    notify: None,
+                    timeout_ms: Some(agent.config().read_timeout_ms.max(10_000)),
+                };
+                let r = agent
+                    .watch_read(
+                        Some(&t.peer),
+                        t.engine.layout(),
+                        n_blocks,
+                        t.engine.read(&req),
+                    )
                     .await;
                 let result = if r.is_ok() { "ok" } else { "error" };
                 agent
