@@ -362,6 +362,22 @@ impl CostModel {
             .collect()
     }
 
+    /// Current transfer coefficients of (`peer`, `direction`), without the
+    /// fit's summary (which walks every sample): for per-READ predictions.
+    pub fn transfer_coefficients(
+        &self,
+        peer: &str,
+        direction: Direction,
+    ) -> Option<TransferCoefficients> {
+        transfer_coefficients(self.transfers.get(&(peer.to_string(), direction))?)
+    }
+
+    /// Current prefill coefficients of a local prefill engine, without the
+    /// fit's summary: for per-READ predictions.
+    pub fn prefill_coefficients(&self, prefill_engine_id: &str) -> Option<PrefillCoefficients> {
+        prefill_coefficients(self.prefills.get(prefill_engine_id)?)
+    }
+
     /// Current transfer fit of (`peer`, `direction`).
     pub fn transfer_fit(
         &self,
