@@ -55,6 +55,12 @@ pub struct AgentConfig {
     pub backend: BackendConfig,
     /// READ timeout when a request gives none, ms [5000].
     pub read_timeout_ms: u64,
+    /// Abandon a managed READ still in flight once recomputing its blocks
+    /// would have finished (the reading engine's prefill model; never
+    /// before 4x the path's prediction): the engine recomputes, as after a
+    /// timeout (`crate::overdue::abandon_after_ms`; counted as
+    /// `kvloop_agent_reads{result="abandoned"}`) [true].
+    pub abandon_slow_reads: bool,
     /// Threshold push period, ms [1000]. A refit that moves a pair's threshold
     /// or cost model (`kvloop_costmodel::urgent_push`) is pushed at once.
     pub push_period_ms: u64,
@@ -109,6 +115,7 @@ impl Default for AgentConfig {
             socket_path: "/run/kvloop/agent.sock".into(),
             backend: BackendConfig::Libfabric(default_fabric()),
             read_timeout_ms: 5000,
+            abandon_slow_reads: true,
             push_period_ms: 1000,
             valid_for_periods: 2.5,
             push_retry_initial_ms: 100,

@@ -4,11 +4,11 @@
 //! |---|---|---|---|
 //! | `kvloop_agent_engines` | gauge | | engines registered (managed mode) |
 //! | `kvloop_agent_leases` | gauge | | retained requests under a lease |
-//! | `kvloop_agent_reads` | counter | `direction`, `result` | managed READs |
+//! | `kvloop_agent_reads` | counter | `direction`, `result` | managed READs: `ok`, `error`, `declined`, or `abandoned` (in flight when recomputing its blocks would have finished: `crate::overdue::abandon_after_ms`) |
 //! | `kvloop_agent_read_bytes` | counter | `direction` | payload of successful managed READs |
 //! | `kvloop_agent_rail_bytes` | counter | `rail`, `address` | payload bytes of the READs this agent's engines made (hosted and probe engines), per rail (`address`: the `backend.rails` entry, or `default`) |
 //! | `kvloop_agent_reads_in_flight` | gauge | | managed READs posted and not finished (cancelled ones leave at once) |
-//! | `kvloop_agent_pulls` | counter | `reader`, `owner`, `result`, `reason` | managed READs per engine pair: `read`, `declined` or `failed`, with the error kind |
+//! | `kvloop_agent_pulls` | counter | `reader`, `owner`, `result`, `reason` | managed READs per engine pair: `read`, `declined`, `failed` (with the error kind) or `abandoned` (`recompute_faster`) |
 //! | `kvloop_agent_pull_alarm` | gauge | `reader`, `owner` | 1 while the pair's last [`crate::pulls::DEFAULT_ALARM_AFTER`] or more pulls in a row were not read |
 //! | `kvloop_agent_probe_reads` | counter | `peer`, `size`, `shape`, `result` | active probe READs (`shape`: descriptors per block id x bytes per descriptor, e.g. `128x4096`) |
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |

@@ -14,7 +14,9 @@
 //! bound only ever understates how slow the path is.
 //!
 //! Used for the agent's managed READs and its probe READs
-//! (`crate::agent::Agent::watch_read`).
+//! (`crate::agent::Agent::watch_read`). A managed READ is also abandoned,
+//! so that its engine recomputes, once recomputing would have finished
+//! ([`abandon_after_ms`], `crate::agent::Agent::read`).
 
 /// A READ in flight this many times its predicted time is overdue.
 pub const OVERDUE_FACTOR: f64 = 4.0;
@@ -44,6 +46,23 @@ pub fn marks_ms(predicted_ms: Option<f64>) -> Vec<f64> {
         .collect()
 }
 
+/// When a managed READ is abandoned, ms after it began, so that its engine
+/// recomputes the blocks instead: once it has run as long as recomputing
+/// them takes (`recompute_ms`, the local engine's prefill model), but never
+/// before the first overdue mark of [`marks_ms`] (a READ near its path's
+/// prediction is never cut, however cheap recompute is). Waiting longer can
+/// only lose more: this is the ski-rental rule (rent until the rent paid
+/// equals the price, then buy), whose total — the time waited plus the
+/// recompute — is at most twice the better of the two choices in hindsight
+/// once `recompute_ms` rules, where a READ over a path that just slowed
+/// otherwise runs to its end or the engine's timeout (seconds; 5 s by
+/// default). `None` without both predictions: the READ runs to its end.
+pub fn abandon_after_ms(predicted_ms: Option<f64>, recompute_ms: Option<f64>) -> Option<f64> {
+    let first_mark = *marks_ms(predicted_ms).first()?;
+    let r = recompute_ms.filter(|r| r.is_finite() && *r > 0.0)?;
+    Some(r.max(first_mark))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -58,5 +77,18 @@ mod tests {
         assert!(marks_ms(None).is_empty());
         assert!(marks_ms(Some(0.0)).is_empty());
         assert!(marks_ms(Some(f64::NAN)).is_empty());
+    }
+
+    #[test]
+    fn a_read_is_abandoned_once_recompute_would_have_finished() {
+        // Recompute (900 ms) rules over the first mark (120 ms).
+        assert_eq!(abandon_after_ms(Some(20.0), Some(900.0)), Some(900.0));
+        // Recompute cheaper than the first mark: a READ near its prediction
+        // is never cut.
+        assert_eq!(abandon_after_ms(Some(100.0), Some(50.0)), Some(400.0));
+        // Nothing to judge by: the READ runs to its end.
+        assert_eq!(abandon_after_ms(None, Some(900.0)), None);
+        assert_eq!(abandon_after_ms(Some(20.0), None), None);
+        assert_eq!(abandon_after_ms(Some(20.0), Some(f64::INFINITY)), None);
     }
 }

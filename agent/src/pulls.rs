@@ -17,6 +17,9 @@ pub enum PullOutcome {
     Declined(ErrorKind),
     /// The READ failed (timeout, peer gone, backend).
     Failed(ErrorKind),
+    /// The agent abandoned the READ once recomputing its blocks would have
+    /// finished (`crate::overdue::abandon_after_ms`): the reader recomputes.
+    Abandoned,
 }
 
 impl PullOutcome {
@@ -26,13 +29,16 @@ impl PullOutcome {
             Self::Read => "read",
             Self::Declined(_) => "declined",
             Self::Failed(_) => "failed",
+            Self::Abandoned => "abandoned",
         }
     }
 
-    /// The `reason` label: the error kind, or `""` for a read.
+    /// The `reason` label: the error kind, `recompute_faster` for an
+    /// abandoned READ, or `""` for a read.
     pub fn reason_label(self) -> &'static str {
         match self {
             Self::Read => "",
+            Self::Abandoned => "recompute_faster",
             Self::Declined(k) | Self::Failed(k) => k.as_str(),
         }
     }
@@ -62,7 +68,9 @@ impl PullTracker {
         let key = (reader.to_string(), owner.to_string());
         match outcome {
             PullOutcome::Read => self.0.success(&key),
-            PullOutcome::Declined(_) | PullOutcome::Failed(_) => self.0.failure(key),
+            PullOutcome::Declined(_) | PullOutcome::Failed(_) | PullOutcome::Abandoned => {
+                self.0.failure(key)
+            }
         }
     }
 

@@ -76,17 +76,47 @@ impl Agent {
         let in_flight = InFlight::enter(&self.metrics.reads_in_flight);
         let peer = self.peer_of_engine(peer_engine_id);
         let n_blocks = blocks.len();
+        let limit_ms = timeout_ms.unwrap_or(self.cfg.read_timeout_ms);
+        let abandon_ms = self
+            .abandon_after_ms(engine_id, peer.as_deref(), e.layout(), n_blocks)
+            .filter(|a| *a < limit_ms);
         let req = ReadRequest {
             peer_engine_id: peer_engine_id.to_string(),
             blocks,
             direction: direction.to_dataplane(),
             notify,
-            timeout_ms,
+            timeout_ms: Some(abandon_ms.unwrap_or(limit_ms)),
         };
         let r = self
             .watch_read(peer.as_deref(), e.layout(), n_blocks, e.read(&req))
             .await;
         drop(in_flight);
+        if let (Some(ms), Err(kvloop_dataplane::DataplaneError::Timeout { .. })) = (abandon_ms, &r)
+        {
+            self.metrics
+                .reads
+                .get_or_create(&labels(&[
+                    ("direction", dir_label),
+                    ("result", "abandoned"),
+                ]))
+                .inc();
+            self.record_pull(engine_id, peer_engine_id, PullOutcome::Abandoned);
+            tracing::info!(
+                engine = engine_id,
+                peer = peer_engine_id,
+                blocks = n_blocks,
+                after_ms = ms,
+                "READ abandoned: recomputing its blocks would have finished by now"
+            );
+            return Err(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "READ of {n_blocks} blocks from `{peer_engine_id}` abandoned after {ms} ms: \
+                     recomputing them is predicted to be faster (the engine recomputes)"
+                ),
+            )
+            .with_origin(ErrorOrigin::Local));
+        }
         match r {
             Ok(o) => {
                 self.metrics
@@ -231,14 +261,42 @@ impl Agent {
         }
     }
 
+    /// When to abandon a managed READ of `n_blocks` block ids of `layout`
+    /// by hosted engine `engine_id` from `peer`, ms after it begins
+    /// ([`crate::overdue::abandon_after_ms`] of the path's prediction and
+    /// the engine's recompute of the blocks' tokens); `None` when
+    /// `abandon_slow_reads` is off or either model has no fit.
+    fn abandon_after_ms(
+        &self,
+        engine_id: &str,
+        peer: Option<&str>,
+        layout: &kvloop_dataplane::KvLayout,
+        n_blocks: usize,
+    ) -> Option<u64> {
+        if !self.cfg.abandon_slow_reads {
+            return None;
+        }
+        let peer = peer?;
+        let bytes = n_blocks as u64 * layout.bytes_per_block_id();
+        let descriptors = n_blocks as u64 * u64::from(layout.num_regions);
+        let tokens = n_blocks as f64 * f64::from(layout.block_size_tokens);
+        let model = self.model.lock();
+        let predicted = model
+            .transfer_coefficients(peer, CmDirection::Inbound)
+            .map(|c| c.predict_ms(bytes, descriptors));
+        let recompute = model
+            .prefill_coefficients(engine_id)
+            .map(|c| c.recompute_ms(tokens));
+        crate::overdue::abandon_after_ms(predicted, recompute).map(|ms| ms.ceil() as u64)
+    }
+
     /// The inbound path model's prediction for a READ of `bytes` in
     /// `descriptors` from `peer`, ms (`None` before a fit).
     pub fn predict_read_ms(&self, peer: &str, bytes: u64, descriptors: u64) -> Option<f64> {
-        let now = self.now();
         self.model
             .lock()
-            .transfer_fit(peer, CmDirection::Inbound, now)
-            .map(|f| f.coefficients.predict_ms(bytes, descriptors))
+            .transfer_coefficients(peer, CmDirection::Inbound)
+            .map(|c| c.predict_ms(bytes, descriptors))
     }
 
     /// Feeds a READ timed in user space to the probes' transfer histograms
