@@ -23,6 +23,9 @@
 //!   over the prefills of the run on P' ready before `t` and not finished at
 //!   `t`, of their compute after `t` (`/sim/prefills`).
 //!
+//! A pull whose READ failed or was abandoned (the engine recomputed) is
+//! costed as what it cost: `backlog + the wait for the READ + prefill(n, 0)`.
+//!
 //! The oracle is one-step (it keeps the run's observed queues, which its
 //! own choices would have changed) and ignores the P→D READ, which every
 //! option pays alike.
@@ -122,6 +125,10 @@ pub struct Turn {
     pub prefill: String,
     /// Pulled (else recomputed).
     pub pulled: bool,
+    /// A pull whose READ failed or was abandoned this many ms after the
+    /// turn reached P (the engine then recomputed everything): costed as
+    /// what it cost, that wait plus the full prefill, not as a READ.
+    pub read_failed_after_ms: Option<f64>,
 }
 
 /// Compute ahead of a request ready on `p` at `t`, ms.
@@ -222,7 +229,13 @@ pub fn regret(
                 Some(q + profile.prefill_ms(n, 0))
             }
         };
-        let Some(chosen) = cost(&t.prefill, t.pulled) else {
+        let chosen = match t.read_failed_after_ms.filter(|_| t.pulled) {
+            Some(wait_ms) => {
+                Some(backlog_ms(spans, &t.prefill, t.at_ms) + wait_ms + profile.prefill_ms(n, 0))
+            }
+            None => cost(&t.prefill, t.pulled),
+        };
+        let Some(chosen) = chosen else {
             continue;
         };
         let made = Costed {
@@ -292,6 +305,7 @@ mod tests {
             prev_decode: Some("d0".into()),
             prefill: p.into(),
             pulled,
+            read_failed_after_ms: None,
         }
     }
 
@@ -364,6 +378,13 @@ mod tests {
         }];
         let r = regret(&[turn("p1", false)], &busy, &ps, &FLAT, xfer);
         assert_eq!(r.best_chosen, 1);
+        // A slow pull abandoned after 300 ms: 300 + 200 (recompute) = 500.
+        let abandoned = Turn {
+            read_failed_after_ms: Some(300.0),
+            ..turn("p1", true)
+        };
+        let a = regret(&[abandoned], &[], &ps, &FLAT, xfer);
+        assert!((a.worst[0].chosen.cost_ms - 500.0).abs() < 1e-9, "{a:?}");
         // No path line: pulling is not feasible, recompute is the oracle.
         let none = regret(&[turn("p0", false)], &[], &ps, &FLAT, |_, _, _| None);
         assert_eq!(none.best_chosen, 1);

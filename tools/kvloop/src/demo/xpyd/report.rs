@@ -180,6 +180,9 @@ fn row(
                 prev_decode: route_field(l, "prev_decode").map(str::to_string),
                 prefill: route_field(l, "prefill")?.to_string(),
                 pulled: route_field(l, "action") == Some("pull"),
+                read_failed_after_ms: (f(p, "read_ms") > 0.0
+                    && p.get("reused_tokens").and_then(Value::as_u64) == Some(0))
+                .then(|| f(p, "read_ms")),
             })
         })
         .collect();
