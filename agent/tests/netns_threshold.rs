@@ -9,13 +9,10 @@
 //! Needs root (namespaces, tc): `#[ignore]`d, fails when run without it.
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, require_root, workspace_bin};
+use common::{AgentProc, get_in_ns, require_root, workspace_bin};
 use kvloop_agent::client::AgentClient;
 use kvloop_cli::child::ReadyChild;
 use kvloop_cli::netns::NodePair;
@@ -27,36 +24,6 @@ const BYTES_PER_TOKEN: u64 = 8192; // 2 regions × 64 KiB per 16-token block
 const P0_MS: f64 = 5.0;
 const K1: f64 = 0.05;
 const K2: f64 = 2e-5;
-
-/// HTTP GET from inside namespace `ns` (a thread that joined it).
-fn get_in_ns(ns: &str, addr: &str, path: &str, token: Option<&str>) -> Option<(u16, String)> {
-    let ns = ns.to_string();
-    let addr = addr.to_string();
-    let path = path.to_string();
-    let token = token.map(|s| s.to_string());
-    std::thread::spawn(move || {
-        let f = std::fs::File::open(format!("/var/run/netns/{ns}")).ok()?;
-        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).ok()?;
-        let mut s = TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(2)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        let auth = token
-            .map(|t| format!("Authorization: Bearer {t}\r\n"))
-            .unwrap_or_default();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).ok()?;
-        let text = String::from_utf8_lossy(&raw).to_string();
-        let (head, body) = text.split_once("\r\n\r\n")?;
-        let status = head.split_whitespace().nth(1)?.parse().ok()?;
-        Some((status, body.to_string()))
-    })
-    .join()
-    .ok()?
-}
 
 /// The router's pushed threshold for (p0, d0), if in force.
 fn router_threshold(ns: &str, router: &str) -> Option<u64> {

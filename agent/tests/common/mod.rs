@@ -109,3 +109,39 @@ pub async fn get_json(http: &str, path: &str) -> serde_json::Value {
         .await
         .unwrap()
 }
+
+/// HTTP GET from inside namespace `ns` (a thread that joined it).
+pub fn get_in_ns(ns: &str, addr: &str, path: &str, token: Option<&str>) -> Option<(u16, String)> {
+    let ns = ns.to_string();
+    let addr = addr.to_string();
+    let path = path.to_string();
+    let token = token.map(|s| s.to_string());
+    std::thread::spawn(move || {
+        let f = std::fs::File::open(format!("/var/run/netns/{ns}")).ok()?;
+        nix::sched::setns(
+            std::os::fd::AsFd::as_fd(&f),
+            nix::sched::CloneFlags::CLONE_NEWNET,
+        )
+        .ok()?;
+        let mut s =
+            std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(2))
+                .ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        std::io::Write::write_fmt(
+            &mut s,
+            format_args!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"),
+        )
+        .ok()?;
+        let mut raw = Vec::new();
+        std::io::Read::read_to_end(&mut s, &mut raw).ok()?;
+        let text = String::from_utf8_lossy(&raw).to_string();
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        let status = head.split_whitespace().nth(1)?.parse().ok()?;
+        Some((status, body.to_string()))
+    })
+    .join()
+    .ok()?
+}

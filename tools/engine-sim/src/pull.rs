@@ -110,7 +110,7 @@ impl Engine {
                 (n, false)
             }
             Err(e) => {
-                warn!(engine = %self.cfg.engine_id, error = %e, "READ declined; recomputing locally");
+                warn!(engine = %self.cfg.engine_id, error = %e, "READ not done; recomputing locally");
                 self.stats.reads_declined.fetch_add(1, Ordering::Relaxed);
                 self.metrics.failed_transfers.inc();
                 entry.error = Some(e.to_string());

@@ -1,0 +1,287 @@
+//! A managed READ over a link that just slowed is abandoned once
+//! recomputing its blocks would have finished (`abandon_slow_reads`,
+//! `kvloop_agent::overdue::abandon_after_ms`), and its destination blocks
+//! stay quarantined until the provider has finished with them, so late data
+//! never lands in blocks handed out again.
+//!
+//! Two network namespaces ("nodes" A and B joined by a veth), one
+//! `kvloop-agent` each; this test process is the engine of both (`p0` on A,
+//! `d0` on B, memfd KV). A's probes fit the path from B at 1 Gbit/s and p0
+//! reports prefill timings, so A has both models; then `tc tbf` lowers B's
+//! egress to 8 Mbit/s and p0 READs 2 MiB of d0's blocks (about 2 s at that
+//! rate, ~20 ms predicted). Needs root (namespaces, tc): `#[ignore]`d, fails
+//! when run without it.
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{AgentProc, get_in_ns, require_root};
+use kvloop_agent::client::{AgentClient, ClientError};
+use kvloop_agent::proto::{ErrorKind, ReadDirection};
+use kvloop_cli::netns::NodePair;
+use kvloop_cli::pattern;
+use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
+
+const BLOCK: u64 = 65536;
+/// Blocks read: 16 × 2 regions × 64 KiB = 2 MiB.
+const READ_BLOCKS: u64 = 16;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_regions: 2,
+        num_blocks: 32,
+        block_len_bytes: BLOCK,
+        block_size_tokens: 16,
+    }
+}
+
+fn regions(tag: u64) -> Vec<HostRegion> {
+    let l = layout();
+    (0..u64::from(l.num_regions))
+        .map(|r| {
+            let reg = HostRegion::new(&format!("abandon{tag}-{r}"), l.region_len_bytes() as usize)
+                .unwrap();
+            let mut buf = vec![0u8; BLOCK as usize];
+            for b in 0..u64::from(l.num_blocks) {
+                pattern::fill(tag, r, b, &mut buf);
+                reg.write_at((b * BLOCK) as usize, &buf);
+            }
+            reg
+        })
+        .collect()
+}
+
+fn config(
+    dir: &std::path::Path,
+    name: &str,
+    addr: &str,
+    peer: &str,
+    peer_addr: &str,
+) -> std::path::PathBuf {
+    let sock = dir.join(format!("{name}.sock"));
+    let t = format!(
+        r#"
+agent_id = "{name}"
+node_addr = "{addr}"
+http_listen = "{addr}:9470"
+socket_path = "{sock}"
+backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm" }}
+[probe]
+period_ms = 300
+max_bytes_per_s = 67108864
+[[peers]]
+name = "{peer}"
+http = "{peer_addr}:9470"
+[[pairs]]
+prefill_engine_id = "p0"
+decode_engine_id = "d0"
+decode_peer = "{peer}"
+bytes_per_token = 8192
+block_size_tokens = 16
+regions_per_block = 2
+"#,
+        sock = sock.display()
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, t).unwrap();
+    p
+}
+
+fn pairs(local_base: u64) -> Vec<BlockPair> {
+    (0..READ_BLOCKS)
+        .map(|i| BlockPair {
+            remote: i,
+            local: local_base + i,
+        })
+        .collect()
+}
+
+/// p0's prefill timings: 0.05 ms per token (256 tokens recompute in ~13 ms).
+async fn report_prefills(pa: &AgentClient) {
+    for (n, ctx) in [
+        (256u64, 0u64),
+        (512, 0),
+        (1024, 256),
+        (2048, 0),
+        (4096, 1024),
+        (8192, 0),
+    ] {
+        let us = ((5.0 + n as f64 * 0.05) * 1e3) as u64;
+        pa.record_prefill("p0", n + ctx, ctx, us).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (network namespaces, tc)"]
+async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarantined() {
+    require_root("a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarantined");
+    let pair = NodePair::create(9900 + std::process::id() % 99).expect("network namespaces");
+    pair.limit_rate_b("1gbit").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (pair.addr_a.to_string(), pair.addr_b.to_string());
+    let ca = config(dir.path(), "node-a", &a, "node-b", &b);
+    let cb = config(dir.path(), "node-b", &b, "node-a", &a);
+    let mut agent_a = AgentProc::start(
+        &["ip", "netns", "exec", pair.ns_a.as_str()],
+        &ca,
+        &dir.path().join("node-a.sock"),
+    );
+    let mut agent_b = AgentProc::start(
+        &["ip", "netns", "exec", pair.ns_b.as_str()],
+        &cb,
+        &dir.path().join("node-b.sock"),
+    );
+    let (p_mem, d_mem) = (regions(1), regions(2));
+    let pa = AgentClient::connect(&agent_a.socket, "abandon-p0")
+        .await
+        .unwrap();
+    let db = AgentClient::connect(&agent_b.socket, "abandon-d0")
+        .await
+        .unwrap();
+    pa.register_memfd("p0", layout(), &p_mem, None)
+        .await
+        .unwrap();
+    let d_sc = db
+        .register_memfd("d0", layout(), &d_mem, None)
+        .await
+        .unwrap();
+    assert_eq!(pa.connect_remote("p0", d_sc).await.unwrap(), "d0");
+    db.retain("d0", "req-d", (0..READ_BLOCKS).collect(), Some(120_000))
+        .await
+        .unwrap();
+
+    // A knows d0 lives on node-b (discovery), has a path fit from its
+    // probes and p0's prefill fit.
+    let t0 = Instant::now();
+    loop {
+        report_prefills(&pa).await;
+        let located = pa.renew("d0", "req-d", 60_000).await.is_ok();
+        let (_, v) = pa.explain("p0", "d0").await.unwrap();
+        if located && !v["transfer"].is_null() && !v["prefill"].is_null() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "A has no path and prefill fits within 30 s: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // A READ at 1 Gbit/s completes.
+    pa.read(
+        "p0",
+        "d0",
+        pairs(0),
+        ReadDirection::D2p,
+        None,
+        false,
+        Some(10_000),
+    )
+    .await
+    .expect("a READ at 1 Gbit/s");
+
+    // The link slows; the next READ (2 s at 8 Mbit/s) is abandoned long
+    // before the engine's 10 s timeout, as a timeout the engine recomputes on.
+    pair.limit_rate_b("8mbit").unwrap();
+    let t = Instant::now();
+    let err = pa
+        .read(
+            "p0",
+            "d0",
+            pairs(16),
+            ReadDirection::D2p,
+            None,
+            false,
+            Some(10_000),
+        )
+        .await
+        .expect_err("a 2 MiB READ at 8 Mbit/s is abandoned");
+    let took = t.elapsed();
+    match &err {
+        ClientError::Api(e) => {
+            assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+            assert!(e.message.contains("abandoned"), "{e}");
+        }
+        other => panic!("expected an abandoned READ, got {other}"),
+    }
+    assert!(
+        took < Duration::from_millis(1500),
+        "abandoned after {took:?}"
+    );
+    eprintln!("READ abandoned after {took:?}: {err}");
+
+    // Its destination blocks are refused until the provider is done with them.
+    let again = pa
+        .read(
+            "p0",
+            "d0",
+            pairs(16),
+            ReadDirection::D2p,
+            None,
+            false,
+            Some(10_000),
+        )
+        .await
+        .expect_err("the abandoned READ's blocks are quarantined");
+    assert!(
+        matches!(&again, ClientError::Api(e) if e.kind == ErrorKind::BlockQuarantined),
+        "{again}"
+    );
+    let (_, metrics) = get_in_ns(&pair.ns_a, &format!("{a}:9470"), "/metrics", None)
+        .expect("A's /metrics from inside node A");
+    let lines = |name: &str| -> Vec<&str> {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(name) && l.contains(r#"result="abandoned""#))
+            .collect()
+    };
+    let reads = lines("kvloop_agent_reads_total{");
+    assert!(
+        reads.len() == 1 && reads[0].contains(r#"direction="d2p""#) && reads[0].ends_with(" 1"),
+        "{reads:?}"
+    );
+    let pulls = lines("kvloop_agent_pulls_total{");
+    assert!(
+        pulls.len() == 1 && pulls[0].contains(r#"reason="recompute_faster""#),
+        "{pulls:?}"
+    );
+
+    // The link restored, the blocks come back out of quarantine and a READ
+    // into them lands byte-exact.
+    pair.limit_rate_b("1gbit").unwrap();
+    let t = Instant::now();
+    loop {
+        match pa
+            .read(
+                "p0",
+                "d0",
+                pairs(16),
+                ReadDirection::D2p,
+                None,
+                false,
+                Some(10_000),
+            )
+            .await
+        {
+            Ok(_) => break,
+            Err(ClientError::Api(e))
+                if matches!(e.kind, ErrorKind::BlockQuarantined | ErrorKind::Timeout)
+                    && t.elapsed() < Duration::from_secs(30) =>
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("READ after the link was restored: {e}"),
+        }
+    }
+    let mut buf = vec![0u8; BLOCK as usize];
+    for i in 0..READ_BLOCKS {
+        for (r, reg) in p_mem.iter().enumerate() {
+            reg.read_at(((16 + i) * BLOCK) as usize, &mut buf);
+            assert!(
+                pattern::matches(2, r as u64, i, &buf),
+                "block {} region {r} holds d0's block {i}",
+                16 + i
+            );
+        }
+    }
+    assert!(agent_a.stop() && agent_b.stop(), "agents stop cleanly");
+}
