@@ -28,19 +28,7 @@ fn layout() -> KvLayout {
 }
 
 fn regions(tag: u64) -> Vec<HostRegion> {
-    let l = layout();
-    (0..l.num_regions as u64)
-        .map(|r| {
-            let reg =
-                HostRegion::new(&format!("test{tag}-{r}"), l.region_len_bytes() as usize).unwrap();
-            let mut buf = vec![0u8; BLOCK as usize];
-            for b in 0..l.num_blocks as u64 {
-                pattern::fill(tag, r, b, &mut buf);
-                reg.write_at((b * BLOCK) as usize, &buf);
-            }
-            reg
-        })
-        .collect()
+    common::patterned_regions("test", &layout(), tag)
 }
 
 fn block_holds(regs: &[HostRegion], local: u64, tag: u64, remote: u64) -> bool {

@@ -36,19 +36,7 @@ fn layout() -> KvLayout {
 }
 
 fn regions(tag: u64) -> Vec<HostRegion> {
-    let l = layout();
-    (0..u64::from(l.num_regions))
-        .map(|r| {
-            let reg = HostRegion::new(&format!("abandon{tag}-{r}"), l.region_len_bytes() as usize)
-                .unwrap();
-            let mut buf = vec![0u8; BLOCK as usize];
-            for b in 0..u64::from(l.num_blocks) {
-                pattern::fill(tag, r, b, &mut buf);
-                reg.write_at((b * BLOCK) as usize, &buf);
-            }
-            reg
-        })
-        .collect()
+    common::patterned_regions("abandon", &layout(), tag)
 }
 
 fn config(
@@ -87,13 +75,28 @@ regions_per_block = 2
     p
 }
 
-fn pairs(local_base: u64) -> Vec<BlockPair> {
-    (0..READ_BLOCKS)
+/// p0 READs d0's blocks `0..READ_BLOCKS` into its own from `local_base`
+/// (no lease check, 10 s timeout).
+async fn read_d0(
+    pa: &AgentClient,
+    local_base: u64,
+) -> Result<kvloop_agent::proto::ReadDone, ClientError> {
+    let pairs = (0..READ_BLOCKS)
         .map(|i| BlockPair {
             remote: i,
             local: local_base + i,
         })
-        .collect()
+        .collect();
+    pa.read(
+        "p0",
+        "d0",
+        pairs,
+        ReadDirection::D2p,
+        None,
+        false,
+        Some(10_000),
+    )
+    .await
 }
 
 /// p0's prefill timings: 0.05 ms per token (256 tokens recompute in ~13 ms).
@@ -167,32 +170,13 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     // A READ at 1 Gbit/s completes.
-    pa.read(
-        "p0",
-        "d0",
-        pairs(0),
-        ReadDirection::D2p,
-        None,
-        false,
-        Some(10_000),
-    )
-    .await
-    .expect("a READ at 1 Gbit/s");
+    read_d0(&pa, 0).await.expect("a READ at 1 Gbit/s");
 
     // The link slows; the next READ (2 s at 8 Mbit/s) is abandoned long
     // before the engine's 10 s timeout, as a timeout the engine recomputes on.
     pair.limit_rate_b("8mbit").unwrap();
     let t = Instant::now();
-    let err = pa
-        .read(
-            "p0",
-            "d0",
-            pairs(16),
-            ReadDirection::D2p,
-            None,
-            false,
-            Some(10_000),
-        )
+    let err = read_d0(&pa, 16)
         .await
         .expect_err("a 2 MiB READ at 8 Mbit/s is abandoned");
     let took = t.elapsed();
@@ -210,16 +194,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     eprintln!("READ abandoned after {took:?}: {err}");
 
     // Its destination blocks are refused until the provider is done with them.
-    let again = pa
-        .read(
-            "p0",
-            "d0",
-            pairs(16),
-            ReadDirection::D2p,
-            None,
-            false,
-            Some(10_000),
-        )
+    let again = read_d0(&pa, 16)
         .await
         .expect_err("the abandoned READ's blocks are quarantined");
     assert!(
@@ -250,18 +225,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     pair.limit_rate_b("1gbit").unwrap();
     let t = Instant::now();
     loop {
-        match pa
-            .read(
-                "p0",
-                "d0",
-                pairs(16),
-                ReadDirection::D2p,
-                None,
-                false,
-                Some(10_000),
-            )
-            .await
-        {
+        match read_d0(&pa, 16).await {
             Ok(_) => break,
             Err(ClientError::Api(e))
                 if matches!(e.kind, ErrorKind::BlockQuarantined | ErrorKind::Timeout)

@@ -145,3 +145,28 @@ pub fn get_in_ns(ns: &str, addr: &str, path: &str, token: Option<&str>) -> Optio
     .join()
     .ok()?
 }
+
+/// Host KV regions of `layout`, every block filled with
+/// `kvloop_cli::pattern` of (`tag`, region, block), named `<name>{tag}-{r}`.
+pub fn patterned_regions(
+    name: &str,
+    layout: &kvloop_dataplane::KvLayout,
+    tag: u64,
+) -> Vec<kvloop_dataplane::HostRegion> {
+    let block = layout.block_len_bytes;
+    (0..u64::from(layout.num_regions))
+        .map(|r| {
+            let reg = kvloop_dataplane::HostRegion::new(
+                &format!("{name}{tag}-{r}"),
+                layout.region_len_bytes() as usize,
+            )
+            .unwrap();
+            let mut buf = vec![0u8; block as usize];
+            for b in 0..u64::from(layout.num_blocks) {
+                kvloop_cli::pattern::fill(tag, r, b, &mut buf);
+                reg.write_at((b * block) as usize, &buf);
+            }
+            reg
+        })
+        .collect()
+}
