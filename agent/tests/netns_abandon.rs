@@ -15,7 +15,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, get_in_ns, require_root};
+use common::{get_in_ns, require_root, start_netns_agents};
 use kvloop_agent::client::{AgentClient, ClientError};
 use kvloop_agent::proto::{ErrorKind, ReadDirection};
 use kvloop_cli::netns::NodePair;
@@ -121,19 +121,8 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     let pair = NodePair::create(9900 + std::process::id() % 99).expect("network namespaces");
     pair.limit_rate_b("1gbit").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (pair.addr_a.to_string(), pair.addr_b.to_string());
-    let ca = config(dir.path(), "node-a", &a, "node-b", &b);
-    let cb = config(dir.path(), "node-b", &b, "node-a", &a);
-    let mut agent_a = AgentProc::start(
-        &["ip", "netns", "exec", pair.ns_a.as_str()],
-        &ca,
-        &dir.path().join("node-a.sock"),
-    );
-    let mut agent_b = AgentProc::start(
-        &["ip", "netns", "exec", pair.ns_b.as_str()],
-        &cb,
-        &dir.path().join("node-b.sock"),
-    );
+    let a = pair.addr_a.to_string();
+    let (mut agent_a, mut agent_b) = start_netns_agents(&pair, dir.path(), config);
     let (p_mem, d_mem) = (regions(1), regions(2));
     let pa = AgentClient::connect(&agent_a.socket, "abandon-p0")
         .await

@@ -12,7 +12,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{AgentProc, get_in_ns, require_root, workspace_bin};
+use common::{get_in_ns, require_root, start_netns_agents, workspace_bin};
 use kvloop_agent::client::AgentClient;
 use kvloop_cli::child::ReadyChild;
 use kvloop_cli::netns::NodePair;
@@ -183,15 +183,14 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
     let pair = NodePair::create(9000 + std::process::id() % 900).expect("network namespaces");
     pair.limit_rate_b("1gbit").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (pair.addr_a.to_string(), pair.addr_b.to_string());
+    let a = pair.addr_a.to_string();
     let router_addr = format!("{a}:8800");
     let _router = start_router(dir.path(), &pair.ns_a, &router_addr);
-    let ca = agent_config(dir.path(), "node-a", &a, "node-b", &b, Some(&router_addr));
-    let cb = agent_config(dir.path(), "node-b", &b, "node-a", &a, None);
-    let wrap_a = ["ip", "netns", "exec", pair.ns_a.as_str()];
-    let wrap_b = ["ip", "netns", "exec", pair.ns_b.as_str()];
-    let mut agent_a = AgentProc::start(&wrap_a, &ca, &dir.path().join("node-a.sock"));
-    let mut agent_b = AgentProc::start(&wrap_b, &cb, &dir.path().join("node-b.sock"));
+    let (mut agent_a, mut agent_b) =
+        start_netns_agents(&pair, dir.path(), |dir, name, addr, peer, peer_addr| {
+            let router = (name == "node-a").then_some(router_addr.as_str());
+            agent_config(dir, name, addr, peer, peer_addr, router)
+        });
     let client = AgentClient::connect(&agent_a.socket, "e2e-p0")
         .await
         .unwrap();

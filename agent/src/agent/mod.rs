@@ -21,7 +21,7 @@ pub use kvloop_agent_api::peer::{API_VERSION, EngineAddr, EnginesInfo, PROBE_ENG
 pub use model::bandwidth_alarm;
 pub use peers::PeerState;
 pub use probe_engines::ProbeTarget;
-pub use read::dataplane_error;
+pub use read::{dataplane_error, read_size};
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;

@@ -76,10 +76,16 @@ impl Agent {
         let in_flight = InFlight::enter(&self.metrics.reads_in_flight);
         let peer = self.peer_of_engine(peer_engine_id);
         let n_blocks = blocks.len();
+        let (bytes, descriptors) = read_size(e.layout(), n_blocks);
         let limit_ms = timeout_ms.unwrap_or(self.cfg.read_timeout_ms);
-        let abandon_ms = self
-            .abandon_after_ms(engine_id, peer.as_deref(), e.layout(), n_blocks)
-            .filter(|a| *a < limit_ms);
+        let (predicted_ms, abandon_ms) = match &peer {
+            Some(p) => {
+                let tokens = n_blocks as u64 * u64::from(e.layout().block_size_tokens);
+                self.predict_managed_read(engine_id, p, bytes, descriptors, tokens)
+            }
+            None => (None, None),
+        };
+        let abandon_ms = abandon_ms.filter(|a| *a < limit_ms);
         let req = ReadRequest {
             peer_engine_id: peer_engine_id.to_string(),
             blocks,
@@ -88,35 +94,15 @@ impl Agent {
             timeout_ms: Some(abandon_ms.unwrap_or(limit_ms)),
         };
         let r = self
-            .watch_read(peer.as_deref(), e.layout(), n_blocks, e.read(&req))
+            .watch_read(
+                peer.as_deref(),
+                bytes,
+                descriptors,
+                predicted_ms,
+                e.read(&req),
+            )
             .await;
         drop(in_flight);
-        if let (Some(ms), Err(kvloop_dataplane::DataplaneError::Timeout { .. })) = (abandon_ms, &r)
-        {
-            self.metrics
-                .reads
-                .get_or_create(&labels(&[
-                    ("direction", dir_label),
-                    ("result", "abandoned"),
-                ]))
-                .inc();
-            self.record_pull(engine_id, peer_engine_id, PullOutcome::Abandoned);
-            tracing::info!(
-                engine = engine_id,
-                peer = peer_engine_id,
-                blocks = n_blocks,
-                after_ms = ms,
-                "READ abandoned: recomputing its blocks would have finished by now"
-            );
-            return Err(ApiError::new(
-                ErrorKind::Timeout,
-                format!(
-                    "READ of {n_blocks} blocks from `{peer_engine_id}` abandoned after {ms} ms: \
-                     recomputing them is predicted to be faster (the engine recomputes)"
-                ),
-            )
-            .with_origin(ErrorOrigin::Local));
-        }
         match r {
             Ok(o) => {
                 self.metrics
@@ -137,12 +123,38 @@ impl Agent {
                 Ok(o)
             }
             Err(err) => {
+                // The timeout was the abandon deadline: the engine recomputes.
+                let abandoned = abandon_ms
+                    .filter(|_| matches!(err, kvloop_dataplane::DataplaneError::Timeout { .. }));
+                let (result, outcome, err) = match abandoned {
+                    Some(ms) => {
+                        tracing::info!(
+                            engine = engine_id,
+                            peer = peer_engine_id,
+                            blocks = n_blocks,
+                            after_ms = ms,
+                            "READ abandoned: recomputing its blocks would have finished by now"
+                        );
+                        let err = ApiError::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "READ of {n_blocks} blocks from `{peer_engine_id}` abandoned after {ms} ms: \
+                                 recomputing them is predicted to be faster (the engine recomputes)"
+                            ),
+                        )
+                        .with_origin(ErrorOrigin::Local);
+                        ("abandoned", PullOutcome::Abandoned, err)
+                    }
+                    None => {
+                        let err = dataplane_error(&err);
+                        ("error", PullOutcome::Failed(err.kind), err)
+                    }
+                };
                 self.metrics
                     .reads
-                    .get_or_create(&labels(&[("direction", dir_label), ("result", "error")]))
+                    .get_or_create(&labels(&[("direction", dir_label), ("result", result)]))
                     .inc();
-                let err = dataplane_error(&err);
-                self.record_pull(engine_id, peer_engine_id, PullOutcome::Failed(err.kind));
+                self.record_pull(engine_id, peer_engine_id, outcome);
                 Err(err)
             }
         }
@@ -203,27 +215,24 @@ impl Agent {
         }
     }
 
-    /// Runs `read`, a READ of `blocks` block ids of `layout` from `peer`,
-    /// and while it is in flight past the path model's prediction records it
-    /// in the model as taking at least as long as it has so far, at each
-    /// mark of [`crate::overdue::marks_ms`] (`kvloop_agent_reads_overdue_total`).
-    /// Without a peer or a fit it only runs `read`.
+    /// Runs `read`, a READ of `bytes` in `descriptors` from `peer` that the
+    /// path model predicts at `predicted_ms`, and while it is in flight past
+    /// that prediction records it in the model as taking at least as long
+    /// as it has so far, at each mark of [`crate::overdue::marks_ms`]
+    /// (`kvloop_agent_reads_overdue_total`). Without a peer or a prediction
+    /// it only runs `read`.
     pub async fn watch_read<T>(
         &self,
         peer: Option<&str>,
-        layout: &kvloop_dataplane::KvLayout,
-        blocks: usize,
+        bytes: u64,
+        descriptors: u64,
+        predicted_ms: Option<f64>,
         read: impl std::future::Future<Output = T>,
     ) -> T {
-        let bytes = blocks as u64 * layout.bytes_per_block_id();
-        let descriptors = blocks as u64 * u64::from(layout.num_regions);
-        let Some(peer) = peer else {
+        let marks = crate::overdue::marks_ms(predicted_ms);
+        let Some(peer) = peer.filter(|_| !marks.is_empty()) else {
             return read.await;
         };
-        let marks = crate::overdue::marks_ms(self.predict_read_ms(peer, bytes, descriptors));
-        if marks.is_empty() {
-            return read.await;
-        }
         tokio::pin!(read);
         let start = tokio::time::Instant::now();
         for m in marks {
@@ -261,33 +270,32 @@ impl Agent {
         }
     }
 
-    /// When to abandon a managed READ of `n_blocks` block ids of `layout`
-    /// by hosted engine `engine_id` from `peer`, ms after it begins
-    /// ([`crate::overdue::abandon_after_ms`] of the path's prediction and
-    /// the engine's recompute of the blocks' tokens); `None` when
-    /// `abandon_slow_reads` is off or either model has no fit.
-    fn abandon_after_ms(
+    /// The inbound path model's prediction for a managed READ of `bytes` in
+    /// `descriptors` holding `tokens` tokens, by hosted engine `engine_id`
+    /// from `peer`, ms, and when to abandon it, ms after it begins
+    /// ([`crate::overdue::abandon_after_ms`] of that prediction and the
+    /// engine's recompute of those tokens; `None` when
+    /// `abandon_slow_reads` is off or either model has no fit). One lock of
+    /// the model.
+    fn predict_managed_read(
         &self,
         engine_id: &str,
-        peer: Option<&str>,
-        layout: &kvloop_dataplane::KvLayout,
-        n_blocks: usize,
-    ) -> Option<u64> {
-        if !self.cfg.abandon_slow_reads {
-            return None;
-        }
-        let peer = peer?;
-        let bytes = n_blocks as u64 * layout.bytes_per_block_id();
-        let descriptors = n_blocks as u64 * u64::from(layout.num_regions);
-        let tokens = n_blocks as f64 * f64::from(layout.block_size_tokens);
+        peer: &str,
+        bytes: u64,
+        descriptors: u64,
+        tokens: u64,
+    ) -> (Option<f64>, Option<u64>) {
         let model = self.model.lock();
         let predicted = model
             .transfer_coefficients(peer, CmDirection::Inbound)
             .map(|c| c.predict_ms(bytes, descriptors));
-        let recompute = model
-            .prefill_coefficients(engine_id)
-            .map(|c| c.recompute_ms(tokens));
-        crate::overdue::abandon_after_ms(predicted, recompute).map(|ms| ms.ceil() as u64)
+        let abandon = self.cfg.abandon_slow_reads.then(|| {
+            let recompute = model
+                .prefill_coefficients(engine_id)
+                .map(|c| c.recompute_ms(tokens as f64));
+            crate::overdue::abandon_after_ms(predicted, recompute).map(|ms| ms.ceil() as u64)
+        });
+        (predicted, abandon.flatten())
     }
 
     /// The inbound path model's prediction for a READ of `bytes` in
@@ -327,6 +335,16 @@ impl Agent {
         self.probes
             .observe_read_userspace(&args, Duration::from_micros(o.elapsed_us.max(1)));
     }
+}
+
+/// Payload bytes and descriptors of a READ of `n_blocks` block ids of
+/// `layout` (every region of each block id is one descriptor).
+pub fn read_size(layout: &kvloop_dataplane::KvLayout, n_blocks: usize) -> (u64, u64) {
+    let n = n_blocks as u64;
+    (
+        n * layout.bytes_per_block_id(),
+        n * u64::from(layout.num_regions),
+    )
 }
 
 /// A dataplane failure as the local API reports it: the finer kind, where

@@ -8,7 +8,7 @@ use std::time::Duration;
 use kvloop_costmodel::SampleSource;
 use kvloop_dataplane::{BlockPair, ReadRequest};
 
-use crate::agent::Agent;
+use crate::agent::{Agent, read_size};
 use crate::metrics::labels;
 use crate::probe_plan;
 
@@ -128,11 +128,14 @@ pub async fn run(agent: Arc<Agent>) {
                     notify: None,
                     timeout_ms: Some(agent.config().read_timeout_ms.max(10_000)),
                 };
+                let (bytes, descriptors) = read_size(t.engine.layout(), n_blocks);
+                let predicted_ms = agent.predict_read_ms(&t.peer, bytes, descriptors);
                 let r = agent
                     .watch_read(
                         Some(&t.peer),
-                        t.engine.layout(),
-                        n_blocks,
+                        bytes,
+                        descriptors,
+                        predicted_ms,
                         t.engine.read(&req),
                     )
                     .await;
@@ -149,13 +152,12 @@ pub async fn run(agent: Arc<Agent>) {
                     .inc();
                 match r {
                     Ok(o) => {
-                        // Judged against the model before this READ enters it.
-                        let predicted =
-                            agent.predict_read_ms(&t.peer, o.bytes, u64::from(o.descriptors));
                         agent.record_own_read(&t.peer, &o, SampleSource::ActiveProbe);
                         if size == "large" {
                             let observed_ms = o.elapsed_us as f64 / 1e3;
-                            if probe_plan::confirm_again(observed_ms, predicted) {
+                            // Judged against the model before this READ
+                            // (or its overdue samples) entered it.
+                            if probe_plan::confirm_again(observed_ms, predicted_ms) {
                                 let left = confirms_left
                                     .entry(t.peer.clone())
                                     .or_insert(probe_plan::MAX_CONFIRM_ROUNDS);

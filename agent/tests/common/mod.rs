@@ -90,6 +90,27 @@ pub fn start_two_agents(
     (a, b)
 }
 
+/// Two agents in the namespaces of `pair`, `node-a` in A and `node-b` in
+/// B, each the other's only peer, configured by `config(dir, name, addr,
+/// peer, peer_addr)` (which writes `<dir>/<name>.toml` with its socket at
+/// `<dir>/<name>.sock` and returns the file's path).
+pub fn start_netns_agents(
+    pair: &kvloop_cli::netns::NodePair,
+    dir: &Path,
+    config: impl Fn(&Path, &str, &str, &str, &str) -> PathBuf,
+) -> (AgentProc, AgentProc) {
+    let (a, b) = (pair.addr_a.to_string(), pair.addr_b.to_string());
+    let start = |ns: &str, name: &str, addr: &str, peer: &str, peer_addr: &str| {
+        let cfg = config(dir, name, addr, peer, peer_addr);
+        let sock = dir.join(format!("{name}.sock"));
+        AgentProc::start(&["ip", "netns", "exec", ns], &cfg, &sock)
+    };
+    (
+        start(&pair.ns_a, "node-a", &a, "node-b", &b),
+        start(&pair.ns_b, "node-b", &b, "node-a", &a),
+    )
+}
+
 /// `GET http://<http><path>`'s body as text (e.g. `/metrics`).
 pub async fn get_text(http: &str, path: &str) -> String {
     reqwest::get(format!("http://{http}{path}"))

@@ -127,7 +127,8 @@ pub struct Turn {
     pub pulled: bool,
     /// A pull whose READ failed or was abandoned this many ms after the
     /// turn reached P (the engine then recomputed everything): costed as
-    /// what it cost, that wait plus the full prefill, not as a READ.
+    /// what it cost, that wait plus the recompute option, not as a READ.
+    /// `None` for a turn that was not pulled.
     pub read_failed_after_ms: Option<f64>,
 }
 
@@ -229,10 +230,8 @@ pub fn regret(
                 Some(q + profile.prefill_ms(n, 0))
             }
         };
-        let chosen = match t.read_failed_after_ms.filter(|_| t.pulled) {
-            Some(wait_ms) => {
-                Some(backlog_ms(spans, &t.prefill, t.at_ms) + wait_ms + profile.prefill_ms(n, 0))
-            }
+        let chosen = match t.read_failed_after_ms {
+            Some(wait_ms) => cost(&t.prefill, false).map(|c| c + wait_ms),
             None => cost(&t.prefill, t.pulled),
         };
         let Some(chosen) = chosen else {

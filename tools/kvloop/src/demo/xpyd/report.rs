@@ -170,6 +170,7 @@ fn row(
         .filter_map(|r| {
             let l = r.route.as_deref()?;
             let p = pre.get(r.request_id.as_str())?;
+            let pulled = route_field(l, "action") == Some("pull");
             Some(Turn {
                 request_id: r.request_id.clone(),
                 at_ms: f(p, "arrived_unix_ms") - 0.001,
@@ -179,8 +180,9 @@ fn row(
                     .unwrap_or(0),
                 prev_decode: route_field(l, "prev_decode").map(str::to_string),
                 prefill: route_field(l, "prefill")?.to_string(),
-                pulled: route_field(l, "action") == Some("pull"),
-                read_failed_after_ms: (f(p, "read_ms") > 0.0
+                pulled,
+                read_failed_after_ms: (pulled
+                    && f(p, "read_ms") > 0.0
                     && p.get("reused_tokens").and_then(Value::as_u64) == Some(0))
                 .then(|| f(p, "read_ms")),
             })
