@@ -11,7 +11,9 @@
 //! records it as a sample of `t` ms at each of a few marks
 //! ([`marks_ms`]), so the detector can find the change while the READ is
 //! still running; the READ's own sample follows when it ends. A lower
-//! bound only ever understates how slow the path is.
+//! bound only ever understates how slow the path is. It carries the
+//! READ's own source: a probe's lower bound is an active-probe sample, a
+//! managed READ's a user-space one.
 //!
 //! Used for the agent's managed READs and its probe READs
 //! (`crate::agent::Agent::watch_read`). A managed READ is also abandoned,

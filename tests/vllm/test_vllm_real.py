@@ -184,35 +184,53 @@ def test_agent_fits_real_reads_and_pushes(cluster, words, report):
     prefill probe on P's port), pushes the pair's threshold to a router, and
     `kvloop explain` shows both sample sources. The model keeps samples for
     `max_sample_age_ms` (2 min), so this test makes its own: one 3-turn
-    conversation with reuse (2 READs) and one without (6 prefills in all,
-    the prefill fit's `min_samples`)."""
+    conversation without reuse and then one with (2 READs; 6 prefills in
+    all, the prefill fit's `min_samples`), each with its own texts.
+
+    The READs come last and the fit is read right after them: on this
+    2-core VM the engines' CPU prefills starve the agents, P's probe READs
+    then take tens of ms instead of a fraction of one, and the change
+    detector may (rightly, from what it measures) start the path's fit
+    afresh, dropping older samples, the engines' READs among them."""
     import json
     import subprocess
 
+    # Texts of their own: with the same texts P's prefix cache would hold
+    # the second conversation's prompts, and P would READ nothing.
     u = users(words, 6000)
     before = agent_recorded(cl.P_HOST)
-    for base, tag in ((ON, "vl-fit-on"), (OFF, "vl-fit-off")):
-        turns = conversation(base, "chat", False, u, tag)
+    for base, tag, texts in ((OFF, "vl-fit-off", users(words, 7000)), (ON, "vl-fit-on", u)):
+        turns = conversation(base, "chat", False, texts, tag)
         assert all(t.status == 200 and t.tokens for t in turns), [t.raw for t in turns]
     d_recorded = agent_recorded(cl.D_HOST)
     report["figures"]["engines' NIXL READs recorded by the agents (P / D, whole run)"] = \
         f"{int(agent_recorded(cl.P_HOST))} / {int(d_recorded)}"
     assert d_recorded > 0, "D's agent recorded none of D's NIXL READs (P->D)"
-    deadline, last = time.time() + 40, None
-    while time.time() < deadline:
+
+    def explain() -> dict:
         r = subprocess.run([str(cl.BIN / "kvloop"), "explain", "--agent", f"{cl.P_HOST}:{cl.AGENT_PORT}",
                             "--pair", f"{cl.P_ID},{cl.D_ID}", "--json"], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
-        last = json.loads(r.stdout)
-        if sources(last.get("transfer")).get("ebpf", 0) > 0 and sources(last.get("prefill")).get("ebpf", 0) > 0 \
-                and agent_recorded(cl.P_HOST) - before >= len(u) - 1:
+        return json.loads(r.stdout)
+
+    # Each source counts once it showed in the fit: a later change point may
+    # drop it again (see the docstring).
+    deadline, seen_x, seen_p, last = time.time() + 40, None, None, None
+    while time.time() < deadline:
+        last = explain()
+        xs, ps = sources(last.get("transfer")), sources(last.get("prefill"))
+        if xs.get("ebpf", 0) > 0 and seen_x is None:
+            seen_x = xs
+        if ps.get("ebpf", 0) > 0 and seen_p is None:
+            seen_p = ps
+        if seen_x and seen_p and agent_recorded(cl.P_HOST) - before >= len(u) - 1:
             break
-        time.sleep(2)
-    xs, ps = sources(last.get("transfer")), sources(last.get("prefill"))
+        time.sleep(0.5)
     assert agent_recorded(cl.P_HOST) - before == len(u) - 1, "P's agent recorded other than the 2 READs"
-    report["figures"]["P's agent cost model samples (kvloop explain): transfer / prefill"] = f"{xs} / {ps}"
-    assert xs.get("ebpf", 0) > 0, f"no eBPF-timed READ in the transfer fit: {last}"
-    assert ps.get("ebpf", 0) > 0, f"no eBPF-timed prefill in the prefill fit: {last}"
+    report["figures"]["P's agent cost model samples (kvloop explain): transfer / prefill"] = \
+        f"{seen_x or sources(last.get('transfer'))} / {seen_p or sources(last.get('prefill'))}"
+    assert seen_x, f"no eBPF-timed READ in the transfer fit: {last}"
+    assert seen_p, f"no eBPF-timed prefill in the prefill fit: {last}"
     text = subprocess.run([str(cl.BIN / "kvloop"), "explain", "--agent", f"{cl.P_HOST}:{cl.AGENT_PORT}",
                            "--pair", f"{cl.P_ID},{cl.D_ID}"], capture_output=True, text=True, timeout=30).stdout
     assert "threshold:" in text and "Ebpf" in text, text

@@ -96,9 +96,9 @@ impl Agent {
         let r = self
             .watch_read(
                 peer.as_deref(),
-                bytes,
-                descriptors,
+                (bytes, descriptors),
                 predicted_ms,
+                SampleSource::Userspace,
                 e.read(&req),
             )
             .await;
@@ -219,14 +219,15 @@ impl Agent {
     /// path model predicts at `predicted_ms`, and while it is in flight past
     /// that prediction records it in the model as taking at least as long
     /// as it has so far, at each mark of [`crate::overdue::marks_ms`]
-    /// (`kvloop_agent_reads_overdue_total`). Without a peer or a prediction
-    /// it only runs `read`.
+    /// (`kvloop_agent_reads_overdue_total`), with the READ's own `source`
+    /// (a probe's lower bound is an active-probe sample). Without a peer or
+    /// a prediction it only runs `read`.
     pub async fn watch_read<T>(
         &self,
         peer: Option<&str>,
-        bytes: u64,
-        descriptors: u64,
+        (bytes, descriptors): (u64, u64),
         predicted_ms: Option<f64>,
+        source: SampleSource,
         read: impl std::future::Future<Output = T>,
     ) -> T {
         let marks = crate::overdue::marks_ms(predicted_ms);
@@ -240,7 +241,7 @@ impl Agent {
             tokio::select! {
                 r = &mut read => return r,
                 _ = tokio::time::sleep_until(at) => {
-                    self.record_overdue(peer, bytes, descriptors, start.elapsed());
+                    self.record_overdue(peer, bytes, descriptors, start.elapsed(), source);
                 }
             }
         }
@@ -249,7 +250,14 @@ impl Agent {
 
     /// A READ from `peer` in flight for `elapsed`: a lower-bound sample of
     /// the inbound path (see [`crate::overdue`]).
-    fn record_overdue(&self, peer: &str, bytes: u64, descriptors: u64, elapsed: Duration) {
+    fn record_overdue(
+        &self,
+        peer: &str,
+        bytes: u64,
+        descriptors: u64,
+        elapsed: Duration,
+        source: SampleSource,
+    ) {
         self.metrics
             .reads_overdue
             .get_or_create(&labels(&[("peer", peer)]))
@@ -259,7 +267,7 @@ impl Agent {
             bytes,
             descriptors,
             latency: elapsed.max(Duration::from_micros(1)),
-            source: SampleSource::Userspace,
+            source,
         };
         if let Err(e) = self
             .model

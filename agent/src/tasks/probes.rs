@@ -133,9 +133,9 @@ pub async fn run(agent: Arc<Agent>) {
                 let r = agent
                     .watch_read(
                         Some(&t.peer),
-                        bytes,
-                        descriptors,
+                        (bytes, descriptors),
                         predicted_ms,
+                        SampleSource::ActiveProbe,
                         t.engine.read(&req),
                     )
                     .await;
