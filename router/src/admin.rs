@@ -233,9 +233,10 @@ pub async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) 
     let pairs: Vec<Value> = th
         .snapshot(now)
         .into_iter()
-        .map(|(p, d, t, left, agent)| {
-            json!({"prefill_engine_id": p, "decode_engine_id": d, "threshold_tokens": t,
-                   "valid_for_ms_left": left, "agent_id": agent, "in_force": left > 0})
+        .map(|e| {
+            json!({"prefill_engine_id": e.prefill_engine_id, "decode_engine_id": e.decode_engine_id,
+                   "threshold_tokens": e.threshold_tokens, "valid_for_ms_left": e.valid_for_ms_left,
+                   "agent_id": e.agent_id, "in_force": e.valid_for_ms_left > 0, "model": e.model})
         })
         .collect();
     Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs}))

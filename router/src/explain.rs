@@ -236,6 +236,7 @@ mod tests {
             queue_ms: 1.0,
             reuse_ms: 2.0,
             suffix_ms: ttft_ms - 3.0,
+            abandon: None,
         };
         let s = Selection {
             prefill: 0,

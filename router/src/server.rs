@@ -199,7 +199,8 @@ async fn route_inner(
     let tokenize_idx = p_idx;
     let mut p_idx = p_idx;
     // `compute_ms`: the chosen option's predicted compute on P (a pull's
-    // READ happens before P schedules the request and does not hold P).
+    // READ happens before P schedules the request and does not hold P),
+    // and when P's agent would abandon a pull's READ.
     let (decision, record, compute_ms) = {
         let th = s.thresholds.lock();
         let info = PromptInfo {
@@ -233,10 +234,12 @@ async fn route_inner(
             )
             .map_err(|e| RouteError::Unavailable(e.role))?;
             (p_idx, d_idx) = (pl.selection.prefill, pl.selection.decode);
-            let compute_ms = pl
-                .selection
-                .chosen
-                .map(|c| c.suffix_ms + if c.pull { 0.0 } else { c.reuse_ms });
+            let compute_ms = pl.selection.chosen.map(|c| {
+                (
+                    c.suffix_ms + if c.pull { 0.0 } else { c.reuse_ms },
+                    c.abandon,
+                )
+            });
             let record = RouteRecord::from_selection(
                 &Routed {
                     previous_decode: pl.decision.decode_engine_id.as_deref(),
@@ -311,8 +314,9 @@ async fn route_inner(
     let _prefill_load = s.load.begin_prefill(
         p_idx,
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
-        compute_ms,
+        compute_ms.map(|c| c.0),
         decision.attach.is_some(),
+        compute_ms.and_then(|c| c.1),
     );
     let pull_failed = || {
         if let Some((k, t)) = &taken {

@@ -47,6 +47,23 @@ struct PairEntry {
     agent_id: String,
 }
 
+/// One pushed pair as `GET /admin/thresholds` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PairSnapshot {
+    /// Prefill engine id.
+    pub prefill_engine_id: String,
+    /// Decode engine id.
+    pub decode_engine_id: String,
+    /// Pushed threshold, tokens.
+    pub threshold_tokens: u64,
+    /// Time left before the push lapses, ms (0: lapsed, static in force).
+    pub valid_for_ms_left: u64,
+    /// The agent that pushed it.
+    pub agent_id: String,
+    /// The pushed cost model, if any.
+    pub model: Option<CostModelCoefficients>,
+}
+
 /// Where an effective threshold came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ThresholdSource {
@@ -207,22 +224,24 @@ impl ThresholdTable {
         }
     }
 
-    /// Snapshot for the admin API: `(prefill, decode, threshold, valid_for_ms_left, agent)`.
-    pub fn snapshot(&self, now_ms: u64) -> Vec<(String, String, u64, u64, String)> {
+    /// Snapshot for the admin API, by (prefill, decode).
+    pub fn snapshot(&self, now_ms: u64) -> Vec<PairSnapshot> {
         let mut v: Vec<_> = self
             .pairs
             .iter()
-            .map(|((p, d), e)| {
-                (
-                    p.clone(),
-                    d.clone(),
-                    e.threshold_tokens,
-                    e.valid_until_ms.saturating_sub(now_ms),
-                    e.agent_id.clone(),
-                )
+            .map(|((p, d), e)| PairSnapshot {
+                prefill_engine_id: p.clone(),
+                decode_engine_id: d.clone(),
+                threshold_tokens: e.threshold_tokens,
+                valid_for_ms_left: e.valid_until_ms.saturating_sub(now_ms),
+                agent_id: e.agent_id.clone(),
+                model: e.model.clone(),
             })
             .collect();
-        v.sort();
+        v.sort_by(|a, b| {
+            (&a.prefill_engine_id, &a.decode_engine_id)
+                .cmp(&(&b.prefill_engine_id, &b.decode_engine_id))
+        });
         v
     }
 
@@ -304,6 +323,7 @@ mod tests {
             prefill_ms_per_token: 0.05,
             prefill_ms_per_token_ctx: 0.0,
             confidence: 0.9,
+            abandons_slow_reads: false,
         };
         let e = Effective {
             threshold_tokens: 1,

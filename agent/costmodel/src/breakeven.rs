@@ -100,6 +100,7 @@ pub fn router_coefficients(
         prefill_ms_per_token: prefill.ms_per_token,
         prefill_ms_per_token_ctx: prefill.ms_per_token_ctx,
         confidence: confidence.clamp(0.0, 1.0),
+        abandons_slow_reads: false,
     }
 }
 
@@ -235,6 +236,7 @@ mod tests {
             xfer_ms_per_token: x1,
             prefill_ms_per_token: k1,
             prefill_ms_per_token_ctx: k2,
+            abandons_slow_reads: false,
             confidence: 1.0,
         }
     }

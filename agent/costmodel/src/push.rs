@@ -120,6 +120,7 @@ mod tests {
             prefill_ms_per_token,
             prefill_ms_per_token_ctx: 1e-6,
             confidence: 0.9,
+            abandons_slow_reads: false,
         }
     }
 

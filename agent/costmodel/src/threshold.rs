@@ -453,6 +453,7 @@ mod tests {
                 prefill_ms_per_token: 10.0 / tokens as f64,
                 prefill_ms_per_token_ctx: 0.0,
                 confidence: conf,
+                abandons_slow_reads: false,
             },
             raw_tokens: tokens as f64,
             se_rel,

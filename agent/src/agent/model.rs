@@ -183,12 +183,22 @@ impl Agent {
 
     /// The next threshold update to push to the routers (every pair's
     /// threshold, valid for `valid_for_ms`), with the next push sequence
-    /// number.
+    /// number. A pair's model says `abandons_slow_reads` when
+    /// `abandon_slow_reads` is on and this agent hosts its prefill engine
+    /// (managed mode: the agent owns its READs).
     pub fn threshold_update(&self) -> ThresholdUpdate {
-        let pairs = self
+        let mut pairs = self
             .model
             .lock()
             .pair_thresholds(Duration::from_millis(self.cfg.valid_for_ms()));
+        // This agent abandons slow READs of the prefill engines it hosts
+        // (managed mode): say so, so that routers foresee P's recompute.
+        for p in &mut pairs {
+            if let Some(m) = &mut p.model {
+                m.abandons_slow_reads =
+                    self.cfg.abandon_slow_reads && self.engine(&p.prefill_engine_id).is_ok();
+            }
+        }
         self.last_pushed.lock().clone_from(&pairs);
         ThresholdUpdate {
             agent_id: self.cfg.agent_id.clone(),

@@ -15,6 +15,7 @@
 //! `valid_until = time of receipt + valid_for_ms` on its own monotonic clock.
 #![forbid(unsafe_code)]
 
+pub mod abandon;
 pub mod json;
 pub mod kv_params;
 pub mod sse;
@@ -97,7 +98,7 @@ pub struct PairThreshold {
 /// `t_xfer_ms(r) = xfer_fixed_ms + r * xfer_ms_per_token`.
 /// Recompute of those `r` tokens on P, given `ctx` tokens before them:
 /// `t_recompute_ms(r) = r * (prefill_ms_per_token + prefill_ms_per_token_ctx * ctx)`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CostModelCoefficients {
     /// Fixed cost of one D→P READ (handshake, notification, queueing), ms.
@@ -110,6 +111,16 @@ pub struct CostModelCoefficients {
     pub prefill_ms_per_token_ctx: f64,
     /// Confidence in `[0, 1]`: low when samples are few or old.
     pub confidence: f64,
+    /// The pushing agent owns P's READs over this pair (managed mode) and
+    /// abandons one once recomputing would have finished
+    /// ([`abandon::abandon_after_ms`] of this model's `xfer_ms(r)` and
+    /// `recompute_prefix_ms(r)`); P then recomputes the whole prompt. A
+    /// router uses it to see P busy with that recompute. Sent only when
+    /// true (absent from agents before it, and in observe mode), so a
+    /// router must be upgraded before the agents that set it (this struct
+    /// denies unknown fields).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub abandons_slow_reads: bool,
 }
 
 impl CostModelCoefficients {

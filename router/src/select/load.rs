@@ -34,6 +34,31 @@ struct Item {
     /// computed that one first, so this one is still READing D's blocks
     /// and holds no place in P's compute line (see [`PrefillGuard`]).
     overtaken: bool,
+    /// A pulled prefill whose READ P's agent abandons if it runs this long:
+    /// `(at ms, compute µs of the whole prompt)`. Past `at` and still
+    /// outstanding, P is recomputing it ([`Fifo::settle`]).
+    abandon: Option<(u64, u64)>,
+}
+
+impl Fifo {
+    /// Pulled prefills still outstanding past their abandon deadline at
+    /// `now_ms` become what P now does with them: a recompute of the whole
+    /// prompt, in P's line from the deadline on (its agent abandoned the
+    /// READ, `kvloop_router_api::abandon`).
+    fn settle(&mut self, now_ms: u64) {
+        for x in &mut self.items {
+            if let Some((at_ms, compute_us)) = x.abandon.filter(|a| a.0 <= now_ms) {
+                *x = Item {
+                    sent_ms: at_ms,
+                    compute_us,
+                    pulled: false,
+                    overtaken: false,
+                    abandon: None,
+                    ..*x
+                };
+            }
+        }
+    }
 }
 
 impl Item {
@@ -66,6 +91,17 @@ pub struct ShareLine {
     pub done_age_ms: Option<u64>,
 }
 
+/// A pulled prefill's READ as P's agent will abandon it
+/// (`kvloop_router_api::abandon::abandon_after_ms`; the selection's
+/// [`super::Prediction::abandon`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Abandon {
+    /// After this long from sending, ms.
+    pub after_ms: f64,
+    /// P's compute of the whole prompt once it recomputes, ms.
+    pub compute_ms: f64,
+}
+
 /// Weight of a new sample in the measured prefill cost (EWMA).
 pub const EWMA_ALPHA: f64 = 0.2;
 
@@ -92,7 +128,8 @@ struct Engine {
 /// counts (this replica's and the shared ones), in one pass over each line.
 fn known_work(e: &Engine, now_ms: u64) -> (f64, usize) {
     let (own_head, own_total, own_done, own_n) = {
-        let f = e.fifo.lock();
+        let mut f = e.fifo.lock();
+        f.settle(now_ms);
         (
             f.items
                 .iter()
@@ -212,13 +249,17 @@ impl LoadBook {
     /// Count `tokens` (and `compute_ms`, the selection's prediction of
     /// their compute, when there is one) outstanding on prefill engine
     /// `engine` until the guard drops; `pulled`: sent with D's params (P
-    /// READs the prefix first). An unknown index counts nothing.
+    /// READs the prefix first). `abandon`: P's agent abandons that READ
+    /// after [`Abandon::after_ms`] and P then computes the whole prompt
+    /// (`None`: it does not, or no prediction). An unknown index counts
+    /// nothing.
     pub fn begin_prefill(
         self: &Arc<Self>,
         engine: u16,
         tokens: u64,
         compute_ms: Option<f64>,
         pulled: bool,
+        abandon: Option<Abandon>,
     ) -> PrefillGuard {
         let compute_ms = compute_ms.filter(|m| m.is_finite() && *m >= 0.0);
         let compute_us = compute_ms.map_or(0, |m| (m * 1e3) as u64);
@@ -227,12 +268,21 @@ impl LoadBook {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
             let now = self.clock.now_ms();
+            let abandon = abandon
+                .filter(|a| pulled && a.after_ms.is_finite() && a.compute_ms.is_finite())
+                .map(|a| {
+                    (
+                        now.saturating_add(a.after_ms.max(0.0).ceil() as u64),
+                        (a.compute_ms.max(0.0) * 1e3) as u64,
+                    )
+                });
             e.fifo.lock().items.push_back(Item {
                 id,
                 sent_ms: now,
                 compute_us,
                 pulled,
                 overtaken: false,
+                abandon,
             });
         }
         if let Some(m) = compute_ms {
@@ -358,7 +408,8 @@ impl LoadBook {
     /// other replicas (`None` for an unknown engine).
     pub fn own_line(&self, engine: u16, now_ms: u64) -> Option<ShareLine> {
         let e = self.engines.get(usize::from(engine))?;
-        let f = e.fifo.lock();
+        let mut f = e.fifo.lock();
+        f.settle(now_ms);
         Some(ShareLine {
             items: f
                 .items
@@ -429,8 +480,8 @@ mod tests {
     #[test]
     fn guards_count_while_alive() {
         let (b, _) = book(3);
-        let g1 = b.begin_prefill(0, 100, None, false);
-        let g2 = b.begin_prefill(0, 50, None, false);
+        let g1 = b.begin_prefill(0, 100, None, false, None);
+        let g2 = b.begin_prefill(0, 50, None, false, None);
         let d = b.begin_decode(2);
         assert_eq!(b.outstanding_prefill_tokens(0), 150);
         assert_eq!(b.inflight_decode_streams(2), 1);
@@ -439,7 +490,7 @@ mod tests {
         drop((g2, d));
         assert_eq!(b.outstanding_prefill_tokens(0), 0);
         assert_eq!(b.inflight_decode_streams(2), 0);
-        let _ = b.begin_prefill(9, 5, None, false); // unknown index: ignored
+        let _ = b.begin_prefill(9, 5, None, false, None); // unknown index: ignored
         assert_eq!(b.kv_usage(2), None, "not reported");
         b.set_kv_usage(2, Some(0.42));
         assert_eq!(b.kv_usage(2), Some(0.42));
@@ -453,8 +504,8 @@ mod tests {
     fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
         let (b, _) = book(2);
         assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
-        let g = b.begin_prefill(0, 1000, Some(100.0), false);
-        let _h = b.begin_prefill(0, 1000, Some(200.0), false); // mean 100 + 0.2 × 100 = 120
+        let g = b.begin_prefill(0, 1000, Some(100.0), false, None);
+        let _h = b.begin_prefill(0, 1000, Some(200.0), false, None); // mean 100 + 0.2 × 100 = 120
         assert_eq!(b.queue_ms(0, 0), Some(300.0));
         assert_eq!(b.queue_ms(1, 0), Some(0.0));
         // Two requests this replica does not know of: the mean each.
@@ -488,9 +539,9 @@ mod tests {
     fn remaining_work_counts_down_as_the_head_computes() {
         let (b, clock) = book(1);
         clock.advance(1000);
-        let g1 = b.begin_prefill(0, 10, Some(600.0), false);
+        let g1 = b.begin_prefill(0, 10, Some(600.0), false, None);
         clock.advance(100);
-        let g2 = b.begin_prefill(0, 10, Some(300.0), false);
+        let g2 = b.begin_prefill(0, 10, Some(300.0), false, None);
         assert_eq!(
             b.remaining_ms(0, 1100),
             800.0,
@@ -511,7 +562,7 @@ mod tests {
         );
         assert_eq!(b.queue_ms(0, 1600), Some(200.0));
         // One that answers out of order leaves the head's start alone.
-        let g3 = b.begin_prefill(0, 10, Some(50.0), false);
+        let g3 = b.begin_prefill(0, 10, Some(50.0), false, None);
         drop(g3);
         assert_eq!(b.remaining_ms(0, 1600), 200.0);
         drop(g2);
@@ -524,10 +575,10 @@ mod tests {
         let (b, clock) = book(1);
         clock.advance(1000);
         // A pull whose READ runs long (a degraded path), then two recomputes.
-        let pull = b.begin_prefill(0, 10, Some(400.0), true);
+        let pull = b.begin_prefill(0, 10, Some(400.0), true, None);
         clock.advance(10);
-        let r1 = b.begin_prefill(0, 10, Some(100.0), false);
-        let r2 = b.begin_prefill(0, 10, Some(300.0), false);
+        let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+        let r2 = b.begin_prefill(0, 10, Some(300.0), false, None);
         // Before anything answers, the pull is assumed at the head.
         assert_eq!(b.remaining_ms(0, 1010), 790.0);
         clock.advance(100);
@@ -547,18 +598,50 @@ mod tests {
         drop(pull);
         assert_eq!(b.remaining_ms(0, 1210), 0.0);
         // A recompute is never overtaken: P computes in order.
-        let slow = b.begin_prefill(0, 10, Some(400.0), false);
-        let quick = b.begin_prefill(0, 10, Some(100.0), false);
+        let slow = b.begin_prefill(0, 10, Some(400.0), false, None);
+        let quick = b.begin_prefill(0, 10, Some(100.0), false, None);
         drop(quick);
         assert_eq!(b.remaining_ms(0, 1110), 400.0, "sent at 1110");
         drop(slow);
     }
 
     #[test]
+    fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
+        let (b, clock) = book(1);
+        clock.advance(1000);
+        // A pull (50 ms of suffix) that P's agent abandons after 600 ms,
+        // then recomputes in 900 ms; a recompute of 100 ms overtakes it.
+        let abandon = Abandon {
+            after_ms: 600.0,
+            compute_ms: 900.0,
+        };
+        let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+        let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+        clock.advance(100);
+        drop(r1);
+        assert_eq!(b.remaining_ms(0, 1100), 0.0, "READing: not in P's line");
+        assert_eq!(b.remaining_ms(0, 1599), 0.0);
+        // At the deadline P recomputes the whole prompt, from then on.
+        assert_eq!(b.remaining_ms(0, 1600), 900.0);
+        assert_eq!(b.remaining_ms(0, 1800), 700.0);
+        assert_eq!(b.own_line(0, 1800).unwrap().items, vec![(200, 900_000)]);
+        // No longer a pull: a later prefill answered first does not take
+        // it out of the line again.
+        let r2 = b.begin_prefill(0, 10, Some(100.0), false, None);
+        drop(r2);
+        assert_eq!(b.remaining_ms(0, 1800), 700.0);
+        drop(pull);
+        assert_eq!(b.remaining_ms(0, 1800), 0.0);
+        // A recompute carries no deadline.
+        let _r = b.begin_prefill(0, 10, Some(100.0), false, Some(abandon));
+        assert_eq!(b.remaining_ms(0, 1800 + 600), 0.0, "done by then");
+    }
+
+    #[test]
     fn shared_lines_merge_with_the_own_one_in_sending_order() {
         let (b, clock) = book(2);
         clock.advance(1000);
-        let _own = b.begin_prefill(0, 10, Some(300.0), false); // sent at 1000
+        let _own = b.begin_prefill(0, 10, Some(300.0), false, None); // sent at 1000
         // Another replica sent 500 ms of work at 900 (ahead of ours) and
         // 200 ms at 1050.
         b.set_shared_line(

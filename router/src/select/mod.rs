@@ -22,7 +22,13 @@
 //!     replica's outstanding prefill tokens on P × P's ms per token (the
 //!     model's `prefill_ms_per_token`);
 //!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
-//!     (P, previous D) model; recompute: `r · (a + b · r/2)`;
+//!     (P, previous D) model; recompute: `r · (a + b · r/2)`. Where P's
+//!     agent abandons slow READs (the model's `abandons_slow_reads`), a
+//!     pull's prefill re-enters P's line as a whole-prompt recompute if
+//!     still outstanding at its deadline
+//!     (`kvloop_router_api::abandon::abandon_after_ms` of the two, as the
+//!     agent computes it: [`load::Abandon`]), so that P looks as busy as it
+//!     then is;
 //!   - `suffix` = the `s` new tokens after the `r` reused ones:
 //!     `s · (a + b · (r + s/2))`;
 //!
@@ -62,6 +68,7 @@ pub mod share;
 use crate::thresholds::Effective;
 
 use kvloop_router_api::CostModelCoefficients;
+use kvloop_router_api::abandon::abandon_after_ms;
 
 pub use crate::config::Policy;
 
@@ -166,6 +173,10 @@ pub struct Prediction {
     pub reuse_ms: f64,
     /// Computing the new suffix, ms.
     pub suffix_ms: f64,
+    /// A pull whose READ P's agent abandons once recomputing would have
+    /// finished (the model's `abandons_slow_reads`): when, and P's compute
+    /// of the whole prompt after it ([`load::LoadBook::begin_prefill`]).
+    pub abandon: Option<load::Abandon>,
 }
 
 /// The outcome for one turn.
@@ -303,7 +314,7 @@ pub fn select(
         let rf = r as f64;
         let s = (turn.prompt_tokens - r) as f64;
         let suffix_ms = s * (a + b * (rf + s / 2.0));
-        let mut push = |pull: bool, reuse_ms: f64| {
+        let mut push = |pull: bool, reuse_ms: f64, abandon: Option<load::Abandon>| {
             options.push((
                 Prediction {
                     prefill: p.index,
@@ -312,13 +323,22 @@ pub fn select(
                     queue_ms,
                     reuse_ms,
                     suffix_ms,
+                    abandon,
                 },
                 rr_rank(pos, n_p, rr),
             ));
         };
-        push(false, rf * (a + b * rf / 2.0));
+        let recompute_ms = rf * (a + b * rf / 2.0);
+        push(false, recompute_ms, None);
         if let Some(x) = &pull_model {
-            push(true, x.xfer_ms(rf));
+            let read_ms = x.xfer_ms(rf);
+            let abandon = x.abandons_slow_reads.then(|| {
+                abandon_after_ms(Some(read_ms), Some(recompute_ms)).map(|after_ms| load::Abandon {
+                    after_ms,
+                    compute_ms: recompute_ms + suffix_ms,
+                })
+            });
+            push(true, read_ms, abandon.flatten());
         }
     }
     if prev.is_some() && pull_paths == 0 {

@@ -188,6 +188,7 @@ mod tests {
                 prefill_ms_per_token: 0.01,
                 prefill_ms_per_token_ctx: 0.0,
                 confidence: 1.0,
+                abandons_slow_reads: false,
             }),
         };
         let mut t = ThresholdTable::new(64);

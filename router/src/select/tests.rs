@@ -8,6 +8,7 @@ fn model(xfer_per_token: f64) -> CostModelCoefficients {
         prefill_ms_per_token: 0.01,
         prefill_ms_per_token_ctx: 0.000_01,
         confidence: 0.9,
+        abandons_slow_reads: false,
     }
 }
 
@@ -361,4 +362,45 @@ fn selection_is_deterministic() {
     for _ in 0..100 {
         assert_eq!(run(), first);
     }
+}
+
+#[test]
+fn a_pull_carries_the_deadline_at_which_p_agent_abandons_it() {
+    let ps = [p(0, 0)];
+    let ds = [d(2, 0, None)];
+    // 10,000 reusable of 10,100: READ 1 + 10,000 × 0.001 = 11 ms; recompute
+    // 10,000 × (0.01 + 0.000_01 × 5,000) = 600 ms; suffix 100 × (0.01 +
+    // 0.000_01 × 10,050) = 11.05 ms.
+    let abandoning = CostModelCoefficients {
+        abandons_slow_reads: true,
+        ..model(0.001)
+    };
+    let s = select(
+        Policy::PredictedTtft,
+        &ps,
+        &ds,
+        &turn(10_100, 10_000),
+        |_, _| eff(Some(abandoning.clone())),
+        0,
+    )
+    .unwrap();
+    assert!(s.pull);
+    let a = s.chosen.unwrap().abandon.expect("the agent abandons");
+    // Abandoned once recomputing would have finished (600 ms, past the
+    // first overdue mark of 111 ms); then P computes the whole prompt.
+    assert!(close(a.after_ms, 600.0), "{a:?}");
+    assert!(close(a.compute_ms, 600.0 + 11.05), "{a:?}");
+    // The recompute option has none; nor has a pull from an agent that
+    // does not abandon.
+    assert_eq!(s.runner_up.unwrap().abandon, None);
+    let s = select(
+        Policy::PredictedTtft,
+        &ps,
+        &ds,
+        &turn(10_100, 10_000),
+        |_, _| eff(Some(model(0.001))),
+        0,
+    )
+    .unwrap();
+    assert_eq!(s.chosen.unwrap().abandon, None);
 }

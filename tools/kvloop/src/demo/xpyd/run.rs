@@ -67,9 +67,9 @@ impl RunCtx<'_> {
             let want = self.cluster.prefill.len() * self.cluster.decode.len();
             for u in &urls {
                 let t = Instant::now();
-                let n = wait_pushed(self.http, u, want).await;
+                let (n, abandoning) = wait_pushed(self.http, u, want).await;
                 println!(
-                    "  {}: {n}/{want} pair thresholds pushed by the agents in force at {u} (after {:.1} s)",
+                    "  {}: {n}/{want} pair thresholds pushed by the agents in force at {u} (after {:.1} s; {abandoning} with agents that abandon slow READs)",
                     spec.name,
                     t.elapsed().as_secs_f64()
                 );
@@ -239,13 +239,18 @@ fn new_entries(before: &Value, after: &Value) -> Vec<Value> {
 }
 
 /// Waits (up to 30 s) until `want` pushed pair thresholds are in force at
-/// `url`; returns how many are.
-async fn wait_pushed(http: &reqwest::Client, url: &str, want: usize) -> usize {
+/// `url`; returns how many are, and how many of their models say the
+/// pushing agent abandons slow READs (`abandons_slow_reads`).
+async fn wait_pushed(http: &reqwest::Client, url: &str, want: usize) -> (usize, usize) {
     let t = Instant::now();
     loop {
-        let n = in_force_pairs(http, url).await.map_or(0, |p| p.len());
-        if n >= want || t.elapsed() > Duration::from_secs(30) {
-            return n;
+        let pairs = in_force_pairs(http, url).await.unwrap_or_default();
+        if pairs.len() >= want || t.elapsed() > Duration::from_secs(30) {
+            let abandoning = pairs
+                .iter()
+                .filter(|p| p["model"]["abandons_slow_reads"] == true)
+                .count();
+            return (pairs.len(), abandoning);
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
