@@ -24,8 +24,9 @@
 //!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
 //!     (P, previous D) model; recompute: `r · (a + b · r/2)`. Where P's
 //!     agent abandons slow READs (the model's `abandons_slow_reads`), a
-//!     pull's prefill re-enters P's line as a whole-prompt recompute if
-//!     still outstanding at its deadline
+//!     pull's prefill known to be still READing (overtaken) re-enters P's
+//!     line as a whole-prompt recompute if still outstanding at its
+//!     deadline
 //!     (`kvloop_router_api::abandon::abandon_after_ms` of the two, as the
 //!     agent computes it: [`load::Abandon`]), so that P looks as busy as it
 //!     then is;

@@ -1,0 +1,231 @@
+//! Unit tests of [`super`] (the load book), with a manual clock.
+use super::*;
+use crate::clock::ManualClock;
+
+fn book(n: usize) -> (Arc<LoadBook>, Arc<ManualClock>) {
+    let c = Arc::new(ManualClock::default());
+    (LoadBook::new(n, c.clone()), c)
+}
+
+#[test]
+fn guards_count_while_alive() {
+    let (b, _) = book(3);
+    let g1 = b.begin_prefill(0, 100, None, false, None);
+    let g2 = b.begin_prefill(0, 50, None, false, None);
+    let d = b.begin_decode(2);
+    assert_eq!(b.outstanding_prefill_tokens(0), 150);
+    assert_eq!(b.inflight_decode_streams(2), 1);
+    drop(g1);
+    assert_eq!(b.outstanding_prefill_tokens(0), 50);
+    drop((g2, d));
+    assert_eq!(b.outstanding_prefill_tokens(0), 0);
+    assert_eq!(b.inflight_decode_streams(2), 0);
+    let _ = b.begin_prefill(9, 5, None, false, None); // unknown index: ignored
+    assert_eq!(b.kv_usage(2), None, "not reported");
+    b.set_kv_usage(2, Some(0.42));
+    assert_eq!(b.kv_usage(2), Some(0.42));
+    b.set_kv_usage(2, Some(7.0));
+    assert_eq!(b.kv_usage(2), Some(1.0), "clamped");
+    b.set_kv_usage(2, None);
+    assert_eq!(b.kv_usage(2), None);
+}
+
+#[test]
+fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
+    let (b, _) = book(2);
+    assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
+    let g = b.begin_prefill(0, 1000, Some(100.0), false, None);
+    let _h = b.begin_prefill(0, 1000, Some(200.0), false, None); // mean 100 + 0.2 × 100 = 120
+    assert_eq!(b.queue_ms(0, 0), Some(300.0));
+    assert_eq!(b.queue_ms(1, 0), Some(0.0));
+    // Two requests this replica does not know of: the mean each.
+    b.set_reported_requests(1, Some(2));
+    assert!((b.queue_ms(1, 0).unwrap() - 240.0).abs() < 1e-9);
+    b.set_reported_requests(1, None);
+    assert_eq!(b.queue_ms(1, 0), Some(0.0), "not reported: known work only");
+    // P reports 3: the two known ones by prediction, one more at the mean.
+    b.set_reported_requests(0, Some(3));
+    assert!((b.queue_ms(0, 0).unwrap() - 420.0).abs() < 1e-9);
+    // P reports fewer than are known (its report is older): known work.
+    b.set_reported_requests(0, Some(1));
+    assert_eq!(b.queue_ms(0, 0), Some(300.0));
+    // Shared lines are known too.
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: vec![(0, 50_000)],
+            last_done_ms: None,
+        },
+    );
+    b.set_reported_requests(0, Some(3));
+    assert_eq!(b.queue_ms(0, 0), Some(350.0));
+    drop(g);
+    b.set_shared_line(0, SharedLine::default());
+    b.set_reported_requests(0, None);
+    assert_eq!(b.queue_ms(0, 0), Some(200.0));
+}
+
+#[test]
+fn remaining_work_counts_down_as_the_head_computes() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    let g1 = b.begin_prefill(0, 10, Some(600.0), false, None);
+    clock.advance(100);
+    let g2 = b.begin_prefill(0, 10, Some(300.0), false, None);
+    assert_eq!(
+        b.remaining_ms(0, 1100),
+        800.0,
+        "the head did 100 of its 600 ms"
+    );
+    assert_eq!(b.remaining_ms(0, 1500), 400.0);
+    assert_eq!(
+        b.remaining_ms(0, 5000),
+        300.0,
+        "a head late on its prediction still leaves the rest of the line"
+    );
+    clock.advance(400); // the head answers at 1500
+    drop(g1);
+    assert_eq!(
+        b.remaining_ms(0, 1600),
+        200.0,
+        "the next began when the head answered"
+    );
+    assert_eq!(b.queue_ms(0, 1600), Some(200.0));
+    // One that answers out of order leaves the head's start alone.
+    let g3 = b.begin_prefill(0, 10, Some(50.0), false, None);
+    drop(g3);
+    assert_eq!(b.remaining_ms(0, 1600), 200.0);
+    drop(g2);
+    assert_eq!(b.remaining_ms(0, 1600), 0.0);
+    assert_eq!(b.remaining_ms(7, 0), 0.0, "unknown engine");
+}
+
+#[test]
+fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    // A pull whose READ runs long (a degraded path), then two recomputes.
+    let pull = b.begin_prefill(0, 10, Some(400.0), true, None);
+    clock.advance(10);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let r2 = b.begin_prefill(0, 10, Some(300.0), false, None);
+    // Before anything answers, the pull is assumed at the head.
+    assert_eq!(b.remaining_ms(0, 1010), 790.0);
+    clock.advance(100);
+    drop(r1); // P answered r1 at 1110 while the pull was still READing
+    assert_eq!(
+        b.remaining_ms(0, 1110),
+        300.0,
+        "only r2 is in P's line, and it starts now"
+    );
+    assert_eq!(b.remaining_ms(0, 1210), 200.0);
+    let line = b.own_line(0, 1210).unwrap();
+    assert_eq!(line.items, vec![(200, 300_000)], "shared without the pull");
+    // Still counted among P's requests: a report of 2 adds nothing.
+    b.set_reported_requests(0, Some(2));
+    assert_eq!(b.queue_ms(0, 1210), Some(200.0));
+    drop(r2);
+    drop(pull);
+    assert_eq!(b.remaining_ms(0, 1210), 0.0);
+    // A recompute is never overtaken: P computes in order.
+    let slow = b.begin_prefill(0, 10, Some(400.0), false, None);
+    let quick = b.begin_prefill(0, 10, Some(100.0), false, None);
+    drop(quick);
+    assert_eq!(b.remaining_ms(0, 1110), 400.0, "sent at 1110");
+    drop(slow);
+}
+
+#[test]
+fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    // A pull (50 ms of suffix) that P's agent abandons after 600 ms,
+    // then recomputes in 900 ms; a recompute of 100 ms overtakes it.
+    let abandon = Abandon {
+        after_ms: 600.0,
+        compute_ms: 900.0,
+    };
+    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    clock.advance(100);
+    drop(r1);
+    assert_eq!(b.remaining_ms(0, 1100), 0.0, "READing: not in P's line");
+    assert_eq!(b.remaining_ms(0, 1599), 0.0);
+    // At the deadline P recomputes the whole prompt, from then on.
+    assert_eq!(b.remaining_ms(0, 1600), 900.0);
+    assert_eq!(b.remaining_ms(0, 1800), 700.0);
+    assert_eq!(b.own_line(0, 1800).unwrap().items, vec![(200, 900_000)]);
+    // No longer a pull: a later prefill answered first does not take
+    // it out of the line again.
+    let r2 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    drop(r2);
+    assert_eq!(b.remaining_ms(0, 1800), 700.0);
+    drop(pull);
+    assert_eq!(b.remaining_ms(0, 1800), 0.0);
+    // A recompute carries no deadline; a pull not overtaken may hold
+    // its KV and wait in P's line: neither changes at the deadline.
+    let r = b.begin_prefill(0, 10, Some(100.0), false, Some(abandon));
+    assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
+    drop(r);
+    let _p = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
+}
+
+#[test]
+fn shared_lines_merge_with_the_own_one_in_sending_order() {
+    let (b, clock) = book(2);
+    clock.advance(1000);
+    let _own = b.begin_prefill(0, 10, Some(300.0), false, None); // sent at 1000
+    // Another replica sent 500 ms of work at 900 (ahead of ours) and
+    // 200 ms at 1050.
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: vec![(1050, 200_000), (900, 500_000)],
+            last_done_ms: None,
+        },
+    );
+    // The head is theirs, computing since 900: at 1000 it has 400 left.
+    assert_eq!(b.remaining_ms(0, 1000), 400.0 + 300.0 + 200.0);
+    // P finished their head at 1400 (they said so): ours computes since.
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: vec![(1050, 200_000)],
+            last_done_ms: Some(1400),
+        },
+    );
+    assert_eq!(b.remaining_ms(0, 1500), 200.0 + 200.0);
+    // Only shared work on an engine this replica sent nothing to.
+    b.set_shared_line(
+        1,
+        SharedLine {
+            items: vec![(1000, 100_000)],
+            last_done_ms: None,
+        },
+    );
+    assert_eq!(b.remaining_ms(1, 1030), 70.0);
+    let own = b.own_line(0, 1500).unwrap();
+    assert_eq!(
+        own.items,
+        vec![(500, 300_000)],
+        "only this replica's own line is shared"
+    );
+    assert_eq!(own.done_age_ms, None);
+    b.set_shared_line(1, SharedLine::default());
+    assert_eq!(b.remaining_ms(1, 1030), 0.0);
+}
+
+#[test]
+fn measured_cost_is_an_ewma() {
+    let (b, _) = book(1);
+    assert_eq!(b.measured_ms_per_token(0), None);
+    b.record_prefill(0, 100, 10.0);
+    assert_eq!(b.measured_ms_per_token(0), Some(0.1));
+    b.record_prefill(0, 100, 20.0);
+    let m = b.measured_ms_per_token(0).unwrap();
+    assert!((m - 0.12).abs() < 1e-12, "{m}");
+    b.record_prefill(0, 0, 5.0);
+    b.record_prefill(0, 10, f64::NAN);
+    assert_eq!(b.measured_ms_per_token(0), Some(m));
+}
