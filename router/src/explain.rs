@@ -33,6 +33,10 @@ pub struct OptionRecord {
     pub reuse_ms: f64,
     /// Of it: computing the new suffix, ms.
     pub suffix_ms: f64,
+    /// A pull whose READ P's agent abandons past this many ms (P then
+    /// recomputes the whole prompt: `kvloop_router_api::abandon`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abandon_after_ms: Option<f64>,
 }
 
 /// One routed turn.
@@ -81,6 +85,7 @@ impl OptionRecord {
             queue_ms: p.queue_ms,
             reuse_ms: p.reuse_ms,
             suffix_ms: p.suffix_ms,
+            abandon_after_ms: p.abandon.map(|a| a.after_ms),
         }
     }
 }
@@ -165,9 +170,13 @@ impl RouteRecord {
             if let Some(o) = o {
                 let _ = write!(
                     s,
-                    " {label}=({} {} ttft={:.3}ms queue={:.3} reuse={:.3} suffix={:.3})",
+                    " {label}=({} {} ttft={:.3}ms queue={:.3} reuse={:.3} suffix={:.3}",
                     o.prefill_engine_id, o.action, o.ttft_ms, o.queue_ms, o.reuse_ms, o.suffix_ms
                 );
+                if let Some(a) = o.abandon_after_ms {
+                    let _ = write!(s, " abandon_after={a:.0}ms");
+                }
+                s.push(')');
             }
         }
         s
@@ -255,6 +264,20 @@ mod tests {
              runner_up=(p1 recompute ttft=40.500ms queue=1.000 reuse=2.000 suffix=37.500)"
         );
         assert_eq!(r.margin_ms(), Some(28.5));
+        // A pull from an agent that abandons slow READs shows its deadline.
+        let mut abandoning = s;
+        abandoning.chosen = abandoning.chosen.map(|c| Prediction {
+            abandon: Some(crate::select::load::Abandon {
+                after_ms: 600.4,
+                compute_ms: 900.0,
+            }),
+            ..c
+        });
+        let line = RouteRecord::from_selection(&routed("r1"), &abandoning, names).line();
+        assert!(
+            line.contains("chosen=(p0 pull ttft=12.000ms queue=1.000 reuse=2.000 suffix=9.000 abandon_after=600ms)"),
+            "{line}"
+        );
         let rr = RouteRecord::round_robin(&routed("r2"), "p1", "d0", false);
         assert_eq!(rr.margin_ms(), None);
         assert!(rr.line().starts_with(

@@ -162,6 +162,11 @@ fn route_line(r: &serde_json::Value) -> String {
                 o["reuse_ms"].as_f64().unwrap_or(f64::NAN),
                 o["suffix_ms"].as_f64().unwrap_or(f64::NAN)
             ));
+            if let Some(a) = o["abandon_after_ms"].as_f64() {
+                line.push_str(&format!(
+                    " (P's agent abandons the READ after {a:.0} ms and P recomputes)"
+                ));
+            }
         }
     }
     line
