@@ -14,6 +14,7 @@
 //! | `kvloop_agent_probe_skipped` | counter | `peer` | probe rounds skipped by the rate limit |
 //! | `kvloop_agent_reads_overdue` | counter | `peer` | READs (managed and probe) still in flight far past their path's prediction, each recorded as a lower-bound sample (`crate::overdue`) |
 //! | `kvloop_agent_probe_confirm_rounds` | counter | `peer` | probe rounds run off the period because a probe READ was off the path's model (`crate::probe_plan::confirm_again`) |
+//! | `kvloop_agent_model_samples` | counter | `fit`, `source`, `result` | samples offered to the cost model (`fit`: `transfer` or `prefill`; `source`: `ebpf`, `userspace`, `active_probe`; `result`: `accepted`, or `rejected` as invalid); what a fit holds now is in `kvloop explain` (a change point drops older samples) |
 //! | `kvloop_agent_kernel_transfers` | counter | `site`, `result` | kernel-timed transfers drained: `recorded` for the cost model, else why not ([`crate::observe::Skip`]) |
 //! | `kvloop_agent_path_bandwidth_bytes_per_second` | gauge | `peer` | fitted bandwidth of the inbound path |
 //! | `kvloop_agent_path_fixed_cost_ms` | gauge | `peer` | fitted fixed cost per READ |
@@ -74,6 +75,8 @@ pub struct Metrics {
     pub reads_overdue: Family<Labels, Counter>,
     /// Probe rounds run off the period to confirm an off-model READ.
     pub probe_confirm_rounds: Family<Labels, Counter>,
+    /// Samples offered to the cost model, by fit, source and result.
+    pub model_samples: Family<Labels, Counter>,
     /// Kernel-timed transfers drained, by site and result.
     pub kernel_transfers: Family<Labels, Counter>,
     /// Fitted bandwidth.
@@ -166,6 +169,11 @@ impl Metrics {
             "reads_overdue",
             "READs still in flight far past their path's prediction, recorded as lower-bound samples",
             self.reads_overdue.clone(),
+        );
+        r.register(
+            "model_samples",
+            "Samples offered to the cost model, by fit, source and result",
+            self.model_samples.clone(),
         );
         r.register(
             "probe_confirm_rounds",

@@ -208,6 +208,17 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
         pulls.len() == 1 && pulls[0].contains(r#"reason="recompute_faster""#),
         "{pulls:?}"
     );
+    // The model took the probes' READs and the abandoned READ's lower
+    // bounds, each under its own source.
+    for source in ["active_probe", "userspace"] {
+        let taken = format!(
+            r#"kvloop_agent_model_samples_total{{fit="transfer",source="{source}",result="accepted"}}"#
+        );
+        assert!(
+            metrics.lines().any(|l| l.starts_with(&taken)),
+            "{taken} missing: {metrics}"
+        );
+    }
 
     // The link restored, the blocks come back out of quarantine and a READ
     // into them lands byte-exact.

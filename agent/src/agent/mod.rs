@@ -294,9 +294,7 @@ impl Agent {
             latency: Duration::from_micros(latency_us),
             source: SampleSource::Userspace,
         };
-        self.model
-            .lock()
-            .record_prefill(engine_id, s)
+        self.model_prefill(engine_id, s)
             .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
     }
 

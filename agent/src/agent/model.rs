@@ -181,6 +181,56 @@ impl Agent {
         }
     }
 
+    /// Offers a transfer sample of (`peer`, `dir`) to the cost model and
+    /// counts it (`kvloop_agent_model_samples_total{fit="transfer"}`).
+    ///
+    /// # Errors
+    /// The model's [`kvloop_costmodel::SampleError`] (an invalid sample).
+    pub(crate) fn model_transfer(
+        &self,
+        peer: &str,
+        dir: CmDirection,
+        s: TransferSample,
+    ) -> Result<(), kvloop_costmodel::SampleError> {
+        let source = s.source;
+        let r = self.model.lock().record_transfer(peer, dir, s);
+        self.count_sample("transfer", source, r.is_ok());
+        r
+    }
+
+    /// Offers a prefill sample of `engine_id` to the cost model and counts
+    /// it (`kvloop_agent_model_samples_total{fit="prefill"}`).
+    ///
+    /// # Errors
+    /// The model's [`kvloop_costmodel::SampleError`] (an invalid sample).
+    pub(crate) fn model_prefill(
+        &self,
+        engine_id: &str,
+        s: PrefillSample,
+    ) -> Result<(), kvloop_costmodel::SampleError> {
+        let source = s.source;
+        let r = self.model.lock().record_prefill(engine_id, s);
+        self.count_sample("prefill", source, r.is_ok());
+        r
+    }
+
+    fn count_sample(&self, fit: &str, source: SampleSource, accepted: bool) {
+        let source = match source {
+            SampleSource::Ebpf => "ebpf",
+            SampleSource::Userspace => "userspace",
+            SampleSource::ActiveProbe => "active_probe",
+        };
+        let result = if accepted { "accepted" } else { "rejected" };
+        self.metrics
+            .model_samples
+            .get_or_create(&labels(&[
+                ("fit", fit),
+                ("source", source),
+                ("result", result),
+            ]))
+            .inc();
+    }
+
     /// The next threshold update to push to the routers (every pair's
     /// threshold, valid for `valid_for_ms`), with the next push sequence
     /// number. A pair's model says `abandons_slow_reads` when
@@ -244,7 +294,7 @@ impl Agent {
                 latency: Duration::from_nanos(p.latency_ns),
                 source: SampleSource::Ebpf,
             };
-            let _ = self.model.lock().record_prefill(&engine.engine_id, s);
+            let _ = self.model_prefill(&engine.engine_id, s);
         }
         if snap.xfers.is_empty() {
             return;
@@ -271,7 +321,7 @@ impl Agent {
                         latency: Duration::from_nanos(x.latency_ns),
                         source: SampleSource::Ebpf,
                     };
-                    let _ = self.model.lock().record_transfer(&peer, dir, s);
+                    let _ = self.model_transfer(&peer, dir, s);
                     "recorded"
                 }
                 Err(skip) => skip.as_str(),

@@ -206,11 +206,7 @@ impl Agent {
             latency: Duration::from_micros(o.elapsed_us.max(1)),
             source,
         };
-        if let Err(e) = self
-            .model
-            .lock()
-            .record_transfer(peer, CmDirection::Inbound, s)
-        {
+        if let Err(e) = self.model_transfer(peer, CmDirection::Inbound, s) {
             tracing::debug!(error = %e, "transfer sample rejected");
         }
     }
@@ -269,11 +265,7 @@ impl Agent {
             latency: elapsed.max(Duration::from_micros(1)),
             source,
         };
-        if let Err(e) = self
-            .model
-            .lock()
-            .record_transfer(peer, CmDirection::Inbound, s)
-        {
+        if let Err(e) = self.model_transfer(peer, CmDirection::Inbound, s) {
             tracing::debug!(error = %e, "overdue sample rejected");
         }
     }

@@ -149,7 +149,7 @@ pub(super) fn start(a: &DemoArgs, topo: &Topology, bins: &Bins, logs: &Path) -> 
             .args(["--kv-bytes-per-token", &a.kv_bytes_per_token.to_string()])
             .args(["--kv-capacity-tokens", &a.kv_capacity_tokens.to_string()])
             .args(["--decode-us-per-token", &a.decode_us_per_token.to_string()])
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", crate::demo::child_log_filter());
         ReadyChild::start(
             id,
             c,
@@ -223,7 +223,9 @@ fn start_agents(
         let path = a.out_dir.join(format!("{name}.toml"));
         std::fs::write(&path, toml)?;
         let mut c = topo.cmd(node_b, agent_bin);
-        c.arg("--config").arg(&path).env("RUST_LOG", "warn");
+        c.arg("--config")
+            .arg(&path)
+            .env("RUST_LOG", crate::demo::child_log_filter());
         agents.push(ReadyChild::start(
             name,
             c,
@@ -290,7 +292,7 @@ pub(super) fn start_router(
     rc.arg("--config")
         .arg(&cluster.router_config)
         .args(["--kv-recompute-threshold", &threshold.to_string()])
-        .env("RUST_LOG", "warn");
+        .env("RUST_LOG", crate::demo::child_log_filter());
     if mode == "adaptive" {
         rc.args(["--listen", &cluster.adaptive_router]);
     }

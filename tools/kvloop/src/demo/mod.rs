@@ -26,6 +26,10 @@
 //! `--hold`: after the report, the loop keeps running for `kvloop doctor`,
 //! `ping` and `top` ([`hold`]).
 //!
+//! The processes it starts log warnings and errors to `<out-dir>/logs`;
+//! `KVLOOP_DEMO_LOG` sets another filter for them (`RUST_LOG` syntax, e.g.
+//! `info` or `kvloop_agent=debug,warn`: [`child_log_filter`]).
+//!
 //! Files: [`topology`] (where the nodes are, the binaries), [`cluster`] (the
 //! agents, engines and routers it starts), [`workload`] (the modes run
 //! through the router), [`report`] (the table, `report.json`, the chart),
@@ -198,6 +202,15 @@ pub fn run(mut a: DemoArgs, slow_link: bool) -> Result<()> {
     topo.unlimit();
     drop(topo);
     result
+}
+
+/// Log filter of the processes a demo starts (`RUST_LOG` syntax):
+/// `KVLOOP_DEMO_LOG` where set, else `warn`.
+pub fn child_log_filter() -> String {
+    std::env::var("KVLOOP_DEMO_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| "warn".into())
 }
 
 fn join_netns(ns: &str) -> Result<()> {

@@ -121,7 +121,9 @@ pub(super) fn start(a: &ClusterArgs, star: &NodeStar, bins: &Bins, logs: &Path) 
         let path = a.out_dir.join(format!("agent-{node}.toml"));
         std::fs::write(&path, toml)?;
         let mut c = star.command_in(node, &bins.agent);
-        c.arg("--config").arg(&path).env("RUST_LOG", "warn");
+        c.arg("--config")
+            .arg(&path)
+            .env("RUST_LOG", crate::demo::child_log_filter());
         agents.push(ReadyChild::start(
             &format!("agent-{node}"),
             c,
@@ -145,7 +147,7 @@ pub(super) fn start(a: &ClusterArgs, star: &NodeStar, bins: &Bins, logs: &Path) 
             .args(["--kv-capacity-tokens", &a.kv_capacity_tokens.to_string()])
             .args(["--decode-us-per-token", &a.decode_us_per_token.to_string()])
             .args(["--prefill-concurrency", "1"])
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", crate::demo::child_log_filter());
         let child = ReadyChild::start(
             id,
             c,
@@ -296,7 +298,7 @@ store_key_prefix = "{key_prefix}"
                 "--listen",
                 &format!("{}:{}", self.router_addrs[i], spec.port),
             ])
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", crate::demo::child_log_filter());
         ReadyChild::start(
             &format!("router-{i}"),
             c,
