@@ -40,6 +40,9 @@ use serde_json::{Value, json};
 
 const CONVERSATIONS: usize = 96;
 const ANSWER_TOKENS: u64 = 16;
+/// How long the decode engine keeps an answer's blocks for a READ, ms
+/// (engine-sim's `decoder_kv_blocks_ttl_ms`, and the routers' setting of it).
+const DECODE_KV_TTL_MS: u64 = 60_000;
 
 fn quick() -> bool {
     std::env::var("KVLOOP_BENCH_QUICK").is_ok_and(|v| v == "1")
@@ -399,6 +402,14 @@ fn main() {
         prefill_us_per_token: 0,
         transfer_us_per_token: 0,
         decode_us_per_token: 0,
+        // D keeps every answer's blocks for a READ until the TTL (the
+        // direct rows never READ them: 6000 answers of ~100 blocks a row),
+        // so the defaults (1M blocks, 480 s) ran D out of blocks in the
+        // second round: D then answered with empty `remote_block_ids` and
+        // the routed rows lost their reuse. 60 s (the routers are told the
+        // same) and 4M blocks hold every row of every round.
+        decoder_kv_blocks_ttl_ms: DECODE_KV_TTL_MS,
+        num_blocks: 1 << 22,
         ..SimConfig::default()
     };
     let (p, d) = engines_rt.block_on(async {
@@ -426,6 +437,7 @@ fn main() {
     let router_toml = |store: &str, check: &str| {
         format!(
             "listen = \"127.0.0.1:0\"\nprefix_check = \"{check}\"\nstore = \"{store}\"\nhealth_interval_ms = 1000\n\
+             decoder_kv_blocks_ttl_ms = {DECODE_KV_TTL_MS}\nttl_safety_margin_ms = 10000\n\
              [[engines]]\nengine_id = \"p0\"\nrole = \"prefill\"\nhttp_url = \"{}\"\nside_channel_host = \"127.0.0.1\"\nside_channel_port = {}\n\
              [[engines]]\nengine_id = \"d0\"\nrole = \"decode\"\nhttp_url = \"{}\"\nside_channel_host = \"127.0.0.1\"\nside_channel_port = {}\n",
             p.url(),
