@@ -6,6 +6,8 @@
 //! - [`MissingParams`]: decode answers that should have carried
 //!   `kv_transfer_params` and did not (stock vLLM <= 0.32 streams them
 //!   without), with a rate-limited warning.
+//! - [`WarnLimiter`]: one warning per period for a condition that may hold
+//!   for every request (rejected decode params).
 /// Consecutive failed pulls of one pair that raise its alarm.
 pub const PULL_ALARM_AFTER: u32 = 3;
 
@@ -83,6 +85,34 @@ impl PullTracker {
     }
 }
 
+/// At most one warning per [`WARN_EVERY_MS`] for one condition that may
+/// hold for every request (an engine that keeps answering the same wrong
+/// thing would otherwise log at the request rate); the metrics count every
+/// occurrence.
+#[derive(Debug, Default)]
+pub struct WarnLimiter {
+    last_warn_ms: Option<u64>,
+    suppressed: u64,
+}
+
+impl WarnLimiter {
+    /// One occurrence at `now_ms`: `Some(n)` when a warning is due, with
+    /// `n` the occurrences not warned about since the last warning; `None`
+    /// when it is not (counted).
+    pub fn occurred(&mut self, now_ms: u64) -> Option<u64> {
+        let due = self
+            .last_warn_ms
+            .is_none_or(|t| now_ms.saturating_sub(t) >= WARN_EVERY_MS);
+        if due {
+            self.last_warn_ms = Some(now_ms);
+            Some(std::mem::take(&mut self.suppressed))
+        } else {
+            self.suppressed += 1;
+            None
+        }
+    }
+}
+
 /// Decode answers that should have carried `kv_transfer_params`.
 #[derive(Debug, Default)]
 pub struct MissingParams {
@@ -90,7 +120,7 @@ pub struct MissingParams {
     pub streak: u64,
     /// Total answers without params.
     pub total: u64,
-    last_warn_ms: Option<u64>,
+    warn: WarnLimiter,
 }
 
 impl MissingParams {
@@ -99,13 +129,7 @@ impl MissingParams {
     pub fn missing(&mut self, now_ms: u64) -> bool {
         self.streak += 1;
         self.total += 1;
-        let due = self
-            .last_warn_ms
-            .is_none_or(|t| now_ms.saturating_sub(t) >= WARN_EVERY_MS);
-        if due {
-            self.last_warn_ms = Some(now_ms);
-        }
-        due
+        self.warn.occurred(now_ms).is_some()
     }
 
     /// A decode answer that carried params.
@@ -144,6 +168,16 @@ mod tests {
             Some(AlarmChange::Cleared)
         );
         assert!(t.alarms().is_empty());
+    }
+
+    #[test]
+    fn warn_limiter_warns_once_per_period_and_counts_the_rest() {
+        let mut w = WarnLimiter::default();
+        assert_eq!(w.occurred(5), Some(0));
+        assert_eq!(w.occurred(6), None);
+        assert_eq!(w.occurred(WARN_EVERY_MS), None);
+        assert_eq!(w.occurred(WARN_EVERY_MS + 5), Some(2));
+        assert_eq!(w.occurred(3 * WARN_EVERY_MS), Some(0));
     }
 
     #[test]

@@ -85,19 +85,22 @@ impl StoreCtx {
         let params = match KvParams::parse_json(raw.get()) {
             Ok(p) => p,
             Err(e) => {
-                warn!(error = %e, "decode engine returned malformed kv_transfer_params; not stored");
-                s.metrics.reject_params("source_decode");
+                if let Some(suppressed) = s.decode_params_rejected("source_decode") {
+                    warn!(error = %e, suppressed, "decode engine returned malformed kv_transfer_params; not stored");
+                }
                 return;
             }
         };
         let Some(idx) = s.registry.index_of(&params.remote_engine_id) else {
-            warn!(engine = %params.remote_engine_id, "kv_transfer_params from an unregistered engine; not stored");
-            s.metrics.reject_params("unknown_engine");
+            if let Some(suppressed) = s.decode_params_rejected("unknown_engine") {
+                warn!(engine = %params.remote_engine_id, suppressed, "kv_transfer_params from an unregistered engine; not stored");
+            }
             return;
         };
         if idx != self.decode_engine {
-            warn!(engine = %params.remote_engine_id, "kv_transfer_params name another engine than the decode engine that answered; not stored");
-            s.metrics.reject_params("source_decode");
+            if let Some(suppressed) = s.decode_params_rejected("source_decode") {
+                warn!(engine = %params.remote_engine_id, suppressed, "kv_transfer_params name another engine than the decode engine that answered; not stored");
+            }
             return;
         }
         let Some(held) = params.remote_num_tokens.and_then(|n| u32::try_from(n).ok()) else {
@@ -159,6 +162,23 @@ impl StoreCtx {
 }
 
 impl AppState {
+    /// Decode params not stored for `reason` (the label of
+    /// `kvloop_router_params_rejected_total`): counted; `Some(n)` when a
+    /// warning is due (at most one per reason per
+    /// [`crate::alarms::WARN_EVERY_MS`]), `n` the rejections not warned
+    /// about since the last one. A D that keeps answering the same wrong
+    /// params (e.g. an empty block list from a full KV cache) would
+    /// otherwise log at the request rate.
+    fn decode_params_rejected(&self, reason: &'static str) -> Option<u64> {
+        self.metrics.reject_params(reason);
+        let now = self.now_ms();
+        self.rejected_params_warn
+            .lock()
+            .entry(reason)
+            .or_default()
+            .occurred(now)
+    }
+
     /// A storable decode answer without params: counted, warned about
     /// (rate-limited), reported in `/health`.
     fn params_missing(&self, decode_engine: u16, streamed: bool) {

@@ -3,7 +3,7 @@
 //! alarms and the models served; built from a config and an injected
 //! clock. The HTTP shell ([`crate::server`]) and the router's own
 //! endpoints ([`crate::admin`]) act on it.
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -15,7 +15,7 @@ use serde_json::Value;
 use tracing::{debug, info, warn};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker};
+use crate::alarms::{AlarmChange, MissingParams, PullOutcome, PullTracker, WarnLimiter};
 use crate::clock::Clock;
 use crate::config::{PrefixCheckMode, RouterConfig};
 use crate::explain::{RecentRoutes, RouteRecord};
@@ -58,6 +58,9 @@ pub struct AppState {
     pub(crate) decode_idx: Vec<u16>,
     pub(crate) pulls: Mutex<PullTracker>,
     pub(crate) missing_params: Mutex<MissingParams>,
+    /// Warnings about decode params not stored, one limiter per
+    /// `kvloop_router_params_rejected_total` reason.
+    pub(crate) rejected_params_warn: Mutex<HashMap<&'static str, WarnLimiter>>,
     /// Model ids the engines serve (empty: not known yet, nothing refused).
     models: RwLock<HashSet<String>>,
     /// The last routed turns (`GET /admin/routes`).
@@ -158,6 +161,7 @@ impl AppState {
             request_seq: AtomicU64::new(0),
             pulls: Mutex::new(PullTracker::default()),
             missing_params: Mutex::new(MissingParams::default()),
+            rejected_params_warn: Mutex::new(HashMap::new()),
             models: RwLock::new(HashSet::new()),
             routes: Mutex::new(RecentRoutes::default()),
             retention: Mutex::new(Retention::new(cfg.retention)),
