@@ -461,16 +461,24 @@ regions_per_block = 2
             return self.procs["vllm-p"].log_path.read_text(errors="replace").count("handshake_failed")
 
         for k in range(attempts):
+            # A stalled engine (its /health late: seen, D's first READ took
+            # 90 s) is marked unhealthy and the router answers 503 until it
+            # is healthy again: wait for that rather than burn the attempts.
+            self.wait_router_healthy(300)
             before = failures()
             msgs = [{"role": "user", "content": text}]
             st, b = http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
                          dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
             if st != 200:
+                log(f"warm-up {k + 1}: first turn answered {st}: {b[:200]!r}")
                 continue
             msgs += [{"role": "assistant", "content": json.loads(b)["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "and then"}]
-            http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
-                 dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
+            self.wait_router_healthy(300)
+            st, b = http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
+                         dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
+            if st != 200:
+                log(f"warm-up {k + 1}: second turn answered {st}: {b[:200]!r}")
             m = metrics(f"http://{ROUTER_ON}/metrics")
             if metric_sum(m, "kvloop_router_decisions_total", reason="pulled") >= 1 and failures() == before:
                 log(f"warm-up: D->P READ done after {k + 1} conversation(s)")
@@ -493,18 +501,29 @@ regions_per_block = 2
             time.sleep(1)
         raise RuntimeError("warm-up: P's NIXL stats never showed its READ")
 
+    def wait_router_healthy(self, timeout_s: float) -> bool:
+        """Waits until the reuse-on router reports no unhealthy engine (it
+        marks one healthy again within its health interval); false if it
+        still does after `timeout_s`."""
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                st, b = http("GET", f"http://{ROUTER_ON}/health", timeout=5)
+            except OSError as e:  # refused or timed out: not known healthy
+                st, b = 0, str(e).encode()
+            if st == 200 and all(e.get("healthy") for e in json.loads(b).get("engines", [])):
+                return True
+            if time.time() >= deadline:
+                log(f"router still reports an unhealthy engine after {timeout_s:.0f} s: {b[:300]!r}")
+                return False
+            time.sleep(1)
+
     def restart_decode(self, plugin: bool, timeout_s: float = 300.0) -> None:
         """Stops D and starts it again with or without the kvloop-vllm plugin."""
         self.procs["vllm-d"].stop()
         d = self.start_engine("d", plugin)
         wait_http(f"http://{D_HOST}:{D_PORT}/health", time.time() + timeout_s, [d])
-        # the router marks D healthy again within its health interval
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            st, b = http("GET", f"http://{ROUTER_ON}/health", timeout=5)
-            if st == 200 and b'"unhealthy"' not in b:
-                break
-            time.sleep(1)
+        self.wait_router_healthy(30)
         self.find_engine_cores()
 
     def find_engine_cores(self) -> None:
