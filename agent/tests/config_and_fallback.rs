@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::{AgentProc, free_port, get_json, get_text, require_root, require_tool};
 use kvloop_agent::client::AgentClient;
 use kvloop_agent::proto::{CudaIpcRegion, ReadDirection, RegionSource, Request};
-use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
+use kvloop_dataplane::{BlockPair, HostRegion};
 
 const AGENT: &str = env!("CARGO_BIN_EXE_kvloop-agent");
 /// The DaemonSet's set without SYS_ADMIN, plus what loads eBPF programs and
@@ -109,12 +109,7 @@ http = "127.0.0.1:{hb}"
     // dataplane cannot wrap an IPC-opened pointer yet); the agent keeps
     // serving host memory.
     let c = AgentClient::connect(&sock, "test-cuda").await.unwrap();
-    let layout = KvLayout {
-        num_regions: 1,
-        num_blocks: 4,
-        block_len_bytes: 4096,
-        block_size_tokens: 16,
-    };
+    let layout = common::kv_layout(1, 4, 4096);
     let req = Request::Register {
         engine_id: "gpu0".into(),
         layout,
@@ -234,12 +229,7 @@ async fn without_sys_admin_the_agent_times_its_own_reads_in_user_space() {
     let st: serde_json::Value = get_json(&a.http, "/v1/status").await;
     assert_eq!(st["read_timing"], "userspace", "{st:#}");
 
-    let layout = KvLayout {
-        num_regions: 1,
-        num_blocks: 4,
-        block_len_bytes: 4096,
-        block_size_tokens: 16,
-    };
+    let layout = common::kv_layout(1, 4, 4096);
     let mem = |tag: &str| vec![HostRegion::new(tag, 4 * 4096).unwrap()];
     let (p_mem, d_mem) = (mem("fb-p"), mem("fb-d"));
     d_mem[0].write_at(4096, &[7u8; 4096]);

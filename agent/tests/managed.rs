@@ -19,12 +19,7 @@ use kvloop_dataplane::{BlockPair, HostRegion, KvLayout};
 const BLOCK: u64 = 8192;
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_regions: 2,
-        num_blocks: 16,
-        block_len_bytes: BLOCK,
-        block_size_tokens: 16,
-    }
+    common::kv_layout(2, 16, BLOCK)
 }
 
 fn regions(tag: u64) -> Vec<HostRegion> {

@@ -27,12 +27,7 @@ const BLOCK: u64 = 65536;
 const READ_BLOCKS: u64 = 16;
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_regions: 2,
-        num_blocks: 32,
-        block_len_bytes: BLOCK,
-        block_size_tokens: 16,
-    }
+    common::kv_layout(2, 32, BLOCK)
 }
 
 fn regions(tag: u64) -> Vec<HostRegion> {

@@ -13,12 +13,7 @@ use kvloop_agent::client::AgentClient;
 use kvloop_dataplane::{HostRegion, KvLayout};
 
 fn engine_layout() -> KvLayout {
-    KvLayout {
-        num_regions: 8,
-        num_blocks: 32,
-        block_len_bytes: 4096,
-        block_size_tokens: 16,
-    }
+    common::kv_layout(8, 32, 4096)
 }
 
 fn config(

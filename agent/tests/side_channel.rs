@@ -7,7 +7,7 @@ use std::process::Command;
 
 use common::{AgentProc, free_port};
 use kvloop_agent::client::{AgentClient, ClientError};
-use kvloop_dataplane::{HostRegion, KvLayout};
+use kvloop_dataplane::HostRegion;
 
 fn toml(dir: &std::path::Path, http: u16, peer_http: &str) -> std::path::PathBuf {
     let p = dir.join("agent.toml");
@@ -74,12 +74,7 @@ async fn registration_is_refused_naming_node_addr() {
     let sock = dir.path().join("a.sock");
     let _agent = AgentProc::start(&[], &p, &sock);
     let c = AgentClient::connect(&sock, "t").await.unwrap();
-    let layout = KvLayout {
-        num_regions: 1,
-        num_blocks: 4,
-        block_len_bytes: 4096,
-        block_size_tokens: 16,
-    };
+    let layout = common::kv_layout(1, 4, 4096);
     let r = HostRegion::new("sc-test", layout.region_len_bytes() as usize).unwrap();
     match c.register_memfd("e0", layout, &[r], None).await {
         Err(ClientError::Api(e)) => {

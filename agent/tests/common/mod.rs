@@ -167,6 +167,21 @@ pub fn get_in_ns(ns: &str, addr: &str, path: &str, token: Option<&str>) -> Optio
     .ok()?
 }
 
+/// A KV layout of `num_regions` regions of `num_blocks` blocks of
+/// `block_len_bytes`, 16 tokens per block: the agent tests' engines.
+pub fn kv_layout(
+    num_regions: u32,
+    num_blocks: u32,
+    block_len_bytes: u64,
+) -> kvloop_dataplane::KvLayout {
+    kvloop_dataplane::KvLayout {
+        num_regions,
+        num_blocks,
+        block_len_bytes,
+        block_size_tokens: 16,
+    }
+}
+
 /// Host KV regions of `layout`, every block filled with
 /// `kvloop_cli::pattern` of (`tag`, region, block), named `<name>{tag}-{r}`.
 pub fn patterned_regions(
