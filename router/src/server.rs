@@ -198,10 +198,9 @@ async fn route_inner(
     // The P whose `/tokenize` counted the prompt (also counts the reply).
     let tokenize_idx = p_idx;
     let mut p_idx = p_idx;
-    // `compute_ms`: the chosen option's predicted compute on P (a pull's
-    // READ happens before P schedules the request and does not hold P),
-    // and when P's agent would abandon a pull's READ.
-    let (decision, record, compute_ms) = {
+    // `chosen`: the selection's option (its compute on P, and when P's
+    // agent would abandon a pull's READ), for the load book.
+    let (decision, record, chosen) = {
         let th = s.thresholds.lock();
         let info = PromptInfo {
             tokens: tokens.as_deref(),
@@ -234,12 +233,6 @@ async fn route_inner(
             )
             .map_err(|e| RouteError::Unavailable(e.role))?;
             (p_idx, d_idx) = (pl.selection.prefill, pl.selection.decode);
-            let compute_ms = pl.selection.chosen.map(|c| {
-                (
-                    c.suffix_ms + if c.pull { 0.0 } else { c.reuse_ms },
-                    c.abandon,
-                )
-            });
             let record = RouteRecord::from_selection(
                 &Routed {
                     previous_decode: pl.decision.decode_engine_id.as_deref(),
@@ -248,7 +241,7 @@ async fn route_inner(
                 &pl.selection,
                 |i| s.engine_id(i),
             );
-            (pl.decision, record, compute_ms)
+            (pl.decision, record, pl.selection.chosen)
         } else {
             let d = decide(&lookup, &info, &s.engine_id(p_idx), &s.registry, &th, now);
             let record = RouteRecord::round_robin(
@@ -314,9 +307,9 @@ async fn route_inner(
     let _prefill_load = s.load.begin_prefill(
         p_idx,
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
-        compute_ms.map(|c| c.0),
+        chosen.map(|c| c.compute_ms()),
         decision.attach.is_some(),
-        compute_ms.and_then(|c| c.1),
+        chosen.and_then(|c| c.abandon),
     );
     let pull_failed = || {
         if let Some((k, t)) = &taken {

@@ -98,7 +98,7 @@ pub struct PairThreshold {
 /// `t_xfer_ms(r) = xfer_fixed_ms + r * xfer_ms_per_token`.
 /// Recompute of those `r` tokens on P, given `ctx` tokens before them:
 /// `t_recompute_ms(r) = r * (prefill_ms_per_token + prefill_ms_per_token_ctx * ctx)`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CostModelCoefficients {
     /// Fixed cost of one D→P READ (handshake, notification, queueing), ms.

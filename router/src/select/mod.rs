@@ -180,6 +180,15 @@ pub struct Prediction {
     pub abandon: Option<load::Abandon>,
 }
 
+impl Prediction {
+    /// What this option holds P's compute for, ms: the suffix, plus the
+    /// prefix when it is recomputed (a pull's READ happens before P
+    /// schedules the request and does not hold P).
+    pub fn compute_ms(&self) -> f64 {
+        self.suffix_ms + if self.pull { 0.0 } else { self.reuse_ms }
+    }
+}
+
 /// The outcome for one turn.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Selection {
@@ -333,13 +342,15 @@ pub fn select(
         push(false, recompute_ms, None);
         if let Some(x) = &pull_model {
             let read_ms = x.xfer_ms(rf);
-            let abandon = x.abandons_slow_reads.then(|| {
-                abandon_after_ms(Some(read_ms), Some(recompute_ms)).map(|after_ms| load::Abandon {
+            let abandon = x
+                .abandons_slow_reads
+                .then(|| abandon_after_ms(Some(read_ms), Some(recompute_ms)))
+                .flatten()
+                .map(|after_ms| load::Abandon {
                     after_ms,
                     compute_ms: recompute_ms + suffix_ms,
-                })
-            });
-            push(true, read_ms, abandon.flatten());
+                });
+            push(true, read_ms, abandon);
         }
     }
     if prev.is_some() && pull_paths == 0 {
