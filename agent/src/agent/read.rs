@@ -216,8 +216,10 @@ impl Agent {
     /// that prediction records it in the model as taking at least as long
     /// as it has so far, at each mark of [`crate::overdue::marks_ms`]
     /// (`kvloop_agent_reads_overdue_total`), with the READ's own `source`
-    /// (a probe's lower bound is an active-probe sample). Without a peer or
-    /// a prediction it only runs `read`.
+    /// (a probe's lower bound is an active-probe sample). A READ that ends
+    /// at a mark (an abandoned one's deadline may fall on the first) is
+    /// recorded at it too: which of the two timers fires first is chance.
+    /// Without a peer or a prediction it only runs `read`.
     pub async fn watch_read<T>(
         &self,
         peer: Option<&str>,
@@ -235,7 +237,15 @@ impl Agent {
         for m in marks {
             let at = start + Duration::from_secs_f64(m / 1e3);
             tokio::select! {
-                r = &mut read => return r,
+                r = &mut read => {
+                    // Ended (or was abandoned, whose deadline is never
+                    // before the first mark) at the mark it raced: it was
+                    // in flight that long.
+                    if tokio::time::Instant::now() >= at {
+                        self.record_overdue(peer, bytes, descriptors, start.elapsed(), source);
+                    }
+                    return r;
+                }
                 _ = tokio::time::sleep_until(at) => {
                     self.record_overdue(peer, bytes, descriptors, start.elapsed(), source);
                 }
