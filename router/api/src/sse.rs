@@ -52,29 +52,41 @@ impl SseParser {
     }
 
     /// Feed bytes; returns the blocks completed by them, in order.
+    ///
+    /// Scans for line ends with `memchr` and copies whole runs of bytes (a
+    /// relay feeds every byte of D's stream through here; byte by byte it
+    /// cost about 6 % of the router's CPU in `chat_bench`).
     pub fn push(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
         let mut out = Vec::new();
         if !self.started {
             self.started = true;
             self.at_start = true;
         }
-        for &b in bytes {
-            self.raw.push(b);
-            if self.skip_lf {
-                self.skip_lf = false;
-                if b == b'\n' {
-                    continue;
-                }
-            }
-            match b {
-                b'\r' => {
-                    self.skip_lf = true;
-                    self.end_line(&mut out);
-                }
-                b'\n' => self.end_line(&mut out),
-                _ => self.line.push(b),
+        let mut rest = bytes;
+        if self.skip_lf && !rest.is_empty() {
+            // The CR that ended the last push ended a line already.
+            self.skip_lf = false;
+            if rest[0] == b'\n' {
+                self.raw.push(b'\n');
+                rest = &rest[1..];
             }
         }
+        while let Some(i) = memchr::memchr2(b'\r', b'\n', rest) {
+            self.line.extend_from_slice(&rest[..i]);
+            let mut end = i + 1;
+            if rest[i] == b'\r' {
+                match rest.get(end) {
+                    Some(b'\n') => end += 1,
+                    Some(_) => {}
+                    None => self.skip_lf = true,
+                }
+            }
+            self.raw.extend_from_slice(&rest[..end]);
+            self.end_line(&mut out);
+            rest = &rest[end..];
+        }
+        self.line.extend_from_slice(rest);
+        self.raw.extend_from_slice(rest);
         out
     }
 
@@ -84,8 +96,9 @@ impl SseParser {
     pub fn finish(&mut self) -> Option<SseEvent> {
         // A last line that is empty (or only the BOM) is no blank line: it
         // has no line end, so it dispatches nothing.
-        if let Some(line) = self.take_line() {
-            self.field(&line);
+        let line = std::mem::take(&mut self.line);
+        if let Some(start) = self.line_start(&line) {
+            self.field(&line[start..]);
         }
         if self.raw.is_empty() {
             return None;
@@ -102,22 +115,26 @@ impl SseParser {
     }
 
     fn end_line(&mut self, out: &mut Vec<SseEvent>) {
-        match self.take_line() {
-            Some(line) => self.field(&line),
+        let mut line = std::mem::take(&mut self.line);
+        match self.line_start(&line) {
+            Some(start) => self.field(&line[start..]),
             None => out.push(self.take_event()),
         }
+        line.clear();
+        self.line = line; // keeps its capacity for the next line
     }
 
-    /// The current line, without the stream's BOM; `None` when it is empty.
-    fn take_line(&mut self) -> Option<Vec<u8>> {
-        let mut line = std::mem::take(&mut self.line);
+    /// Where the current line's content starts (after the stream's BOM);
+    /// `None` when it is empty. Clears `at_start`.
+    fn line_start(&mut self, line: &[u8]) -> Option<usize> {
+        let mut start = 0;
         if self.at_start {
             self.at_start = false;
             if line.starts_with(BOM) {
-                line.drain(..BOM.len());
+                start = BOM.len();
             }
         }
-        (!line.is_empty()).then_some(line)
+        (line.len() > start).then_some(start)
     }
 
     /// A non-empty line: a comment or a field.
@@ -194,6 +211,13 @@ mod tests {
         assert_eq!(ev[0].data.as_deref(), Some(" two spaces"));
         assert_eq!(ev[1].data.as_deref(), Some("tail"));
         assert_eq!(ev[1].raw, b"data: tail");
+    }
+
+    #[test]
+    fn a_crlf_blank_line_stays_with_its_event() {
+        let ev = all(&[b"data: a\r\n\r\ndata: b\r\n\r\n"]);
+        assert_eq!(ev[0].raw, b"data: a\r\n\r\n");
+        assert_eq!(ev[1].raw, b"data: b\r\n\r\n");
     }
 
     /// Found by `make fuzz` (target `sse`): a stream of only the BOM, with
