@@ -89,7 +89,7 @@ fn send_prefill<'a>(
         &p.engine_id,
         crate::upstream::api_url(p, req.api),
         request_id,
-        prefill_body(&req.body, &params),
+        prefill_body(&req.members, &params),
         n_prompt.map(|n| (n, reused)),
         Duration::from_millis(s.cfg.prefill_timeout_ms),
     )

@@ -115,7 +115,7 @@ impl StoreCtx {
             let body = tokenize_text_body(self.model.as_deref(), &summary.text);
             // Bounded: the client's stream ends only after this check.
             let timeout = Duration::from_millis(s.cfg.health_timeout_ms.max(1_000));
-            match s.tokenize_on(self.prefill_engine, &body, timeout).await {
+            match s.tokenize_on(self.prefill_engine, body, timeout).await {
                 Some(visible) if u64::from(held) <= u64::from(n_prompt) + visible.len() as u64 => {}
                 Some(visible) => {
                     debug!(

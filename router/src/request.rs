@@ -1,5 +1,8 @@
 //! Client request parsing and the prefill/decode body rewrites. Pure: no I/O.
+use std::collections::HashMap;
+
 use axum::http::HeaderMap;
+use kvloop_router_api::json::RawObject;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
@@ -40,6 +43,13 @@ pub struct ParsedRequest {
     /// The client's body, without `conversation_id` (and without a null
     /// `kv_transfer_params`).
     pub body: Map<String, Value>,
+    /// The same members as `body`, each as the exact text the client sent,
+    /// in the client's order (a repeated key once, at its first place, with
+    /// its last value: what `body` holds). The bodies sent to the engines
+    /// are written from these: copied, not re-serialized from `body`
+    /// (re-serializing the messages for P, D and `/tokenize` was a fifth of
+    /// the router's instructions per request in `chat_bench`).
+    pub members: RawObject,
     /// `conversation_id` (body) or `x-session-id` (header).
     pub conversation_id: Option<String>,
     /// Tenant (the configured tenant header, else the default tenant).
@@ -115,17 +125,14 @@ pub fn parse_request(
     tenant_header: &str,
     default_tenant: &str,
 ) -> Result<ParsedRequest, BadRequest> {
-    let mut body: Map<String, Value> = match serde_json::from_slice::<Value>(raw) {
-        Ok(Value::Object(m)) => m,
-        Ok(_) => return Err(bad("body: expected a JSON object")),
-        Err(e) => return Err(bad(format!("body: invalid JSON: {e}"))),
-    };
+    let (mut body, mut members) = parse_body(raw)?;
     // Refused whatever its content, for that reason first: the router alone
     // sets it (a field error alone about an incomplete object would suggest
     // a fix that still fails). A malformed one's bad field is named too.
     if let Some(p) = body.get("kv_transfer_params") {
         if p.is_null() {
             body.remove("kv_transfer_params");
+            members.remove("kv_transfer_params");
         } else {
             let also = match KvParams::parse(p) {
                 Ok(_) => String::new(),
@@ -149,6 +156,7 @@ pub fn parse_request(
             .and_then(|v| v.to_str().ok())
             .map(str::to_string)
     };
+    members.remove("conversation_id");
     let conversation_id = match body.remove("conversation_id") {
         Some(Value::String(c)) => Some(c),
         Some(Value::Null) | None => header("x-session-id"),
@@ -178,6 +186,7 @@ pub fn parse_request(
             .and_then(Value::as_str)
             .map(str::to_string),
         body,
+        members,
         conversation_id,
         tenant: tenant_of(headers, tenant_header, default_tenant),
         request_id: header("x-request-id"),
@@ -185,6 +194,40 @@ pub fn parse_request(
         hidden_output,
         stop_str_hidden,
     })
+}
+
+/// The client's body as values and as raw members (see
+/// [`ParsedRequest::members`]).
+fn parse_body(raw: &[u8]) -> Result<(Map<String, Value>, RawObject), BadRequest> {
+    let Ok(RawObject(received)) = RawObject::parse_slice(raw) else {
+        // Only to say why (the error path): not an object, or not JSON.
+        return Err(match serde_json::from_slice::<Value>(raw) {
+            Ok(_) => bad("body: expected a JSON object"),
+            Err(e) => bad(format!("body: invalid JSON: {e}")),
+        });
+    };
+    let mut body = Map::new();
+    for (k, v) in &received {
+        let value = serde_json::from_str::<Value>(v.get())
+            .map_err(|e| bad(format!("{k}: invalid JSON: {e}")))?;
+        body.insert(k.clone(), value);
+    }
+    if body.len() == received.len() {
+        return Ok((body, RawObject(received)));
+    }
+    // A key repeated: once, at its first place, with its last value.
+    let mut at: HashMap<String, usize> = HashMap::with_capacity(body.len());
+    let mut members: Vec<(String, Box<RawValue>)> = Vec::with_capacity(body.len());
+    for (k, v) in received {
+        match at.get(&k) {
+            Some(&i) => members[i].1 = v,
+            None => {
+                at.insert(k.clone(), members.len());
+                members.push((k, v));
+            }
+        }
+    }
+    Ok((body, RawObject(members)))
 }
 
 /// An override of one member of the client's body.
@@ -202,44 +245,59 @@ struct Override {
 /// Written straight from the borrowed body: no copy of the client's
 /// messages.
 fn write_body(
-    body: &Map<String, Value>,
+    body: &RawObject,
     params: &RawValue,
     overrides: &[Override],
     drop: &[&str],
 ) -> Vec<u8> {
-    fn member(out: &mut Vec<u8>, key: &str, value: &Value) {
-        out.push(b',');
-        serde_json::to_writer(&mut *out, key).expect("a string serializes");
-        out.push(b':');
-        serde_json::to_writer(&mut *out, value).expect("a JSON value serializes");
-    }
-    let mut out = Vec::with_capacity(params.get().len() + 4096);
+    let size: usize = body
+        .0
+        .iter()
+        .map(|(k, v)| k.len() + v.get().len() + 4)
+        .sum();
+    let mut out = Vec::with_capacity(params.get().len() + size + 64);
     out.extend_from_slice(b"{\"kv_transfer_params\":");
     out.extend_from_slice(params.get().as_bytes());
-    for (k, v) in body {
+    for (k, v) in &body.0 {
         if k == "kv_transfer_params" || drop.contains(&k.as_str()) {
             continue;
         }
+        out.push(b',');
         match overrides.iter().find(|o| o.key == k) {
-            Some(o) => member(&mut out, k, &o.value),
-            None => member(&mut out, k, v),
+            Some(o) => write_member(&mut out, k, &o.value),
+            None => write_raw_member(&mut out, k, v),
         }
     }
     for o in overrides
         .iter()
-        .filter(|o| o.insert && !body.contains_key(o.key))
+        .filter(|o| o.insert && body.get(o.key).is_none())
     {
-        member(&mut out, o.key, &o.value);
+        out.push(b',');
+        write_member(&mut out, o.key, &o.value);
     }
     out.push(b'}');
     out
+}
+
+/// `"key":value`, the value serialized.
+fn write_member(out: &mut Vec<u8>, key: &str, value: &Value) {
+    serde_json::to_writer(&mut *out, key).expect("a string serializes");
+    out.push(b':');
+    serde_json::to_writer(&mut *out, value).expect("a JSON value serializes");
+}
+
+/// `"key":value`, the value copied as received.
+fn write_raw_member(out: &mut Vec<u8>, key: &str, value: &RawValue) {
+    serde_json::to_writer(&mut *out, key).expect("a string serializes");
+    out.push(b':');
+    out.extend_from_slice(value.get().as_bytes());
 }
 
 /// The prefill request: the client's body as a one-token, non-streaming
 /// generation (`max_tokens: 1`, `max_completion_tokens: 1` when set,
 /// without `stream_options`, `min_tokens`, `min_completion_tokens`), with
 /// `params` (D's on reuse, else the no-reuse shape).
-pub fn prefill_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
+pub fn prefill_body(body: &RawObject, params: &RawValue) -> Vec<u8> {
     let overrides = [
         Override {
             key: "stream",
@@ -266,50 +324,60 @@ pub fn prefill_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
 }
 
 /// The decode request: the client's body with P's params.
-pub fn decode_body(body: &Map<String, Value>, params: &RawValue) -> Vec<u8> {
+pub fn decode_body(body: &RawObject, params: &RawValue) -> Vec<u8> {
     write_body(body, params, &[], &[])
 }
 
-/// The `/tokenize` request for a prompt: `model` plus `prompt` (completions)
-/// or the chat fields that shape the templated prompt. `None` when a
-/// completions body has no prompt.
-pub fn tokenize_body(api: Api, body: &Map<String, Value>) -> Option<Value> {
-    let mut req = Map::new();
-    if let Some(m) = body.get("model") {
-        req.insert("model".into(), m.clone());
-    }
-    match api {
+/// The `/tokenize` request for a prompt (JSON bytes): `model` plus `prompt`
+/// (completions) or the chat fields that shape the templated prompt, each
+/// copied as the client sent it. `None` when a completions body has no
+/// prompt.
+pub fn tokenize_body(api: Api, body: &RawObject) -> Option<Vec<u8>> {
+    const CHAT: &[&str] = &[
+        "messages",
+        "tools",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    ];
+    let keys: &[&str] = match api {
         Api::Completions => {
-            req.insert("prompt".into(), body.get("prompt")?.clone());
+            body.get("prompt")?;
+            &["prompt"]
         }
-        Api::Chat => {
-            for k in [
-                "messages",
-                "tools",
-                "chat_template",
-                "chat_template_kwargs",
-                "add_generation_prompt",
-                "continue_final_message",
-            ] {
-                if let Some(v) = body.get(k) {
-                    req.insert(k.into(), v.clone());
-                }
+        Api::Chat => CHAT,
+    };
+    let mut out = Vec::with_capacity(
+        body.0
+            .iter()
+            .map(|(k, v)| k.len() + v.get().len() + 4)
+            .sum::<usize>()
+            + 2,
+    );
+    out.push(b'{');
+    for (k, v) in &body.0 {
+        if k == "model" || keys.contains(&k.as_str()) {
+            if out.len() > 1 {
+                out.push(b',');
             }
+            write_raw_member(&mut out, k, v);
         }
     }
-    Some(Value::Object(req))
+    out.push(b'}');
+    Some(out)
 }
 
 /// The `/tokenize` request counting the tokens of a reply's visible text
-/// (`add_special_tokens: false`).
-pub fn tokenize_text_body(model: Option<&str>, text: &str) -> Value {
+/// (`add_special_tokens: false`), as JSON bytes.
+pub fn tokenize_text_body(model: Option<&str>, text: &str) -> Vec<u8> {
     let mut req = Map::new();
     if let Some(m) = model {
         req.insert("model".into(), Value::from(m));
     }
     req.insert("prompt".into(), Value::from(text));
     req.insert("add_special_tokens".into(), Value::Bool(false));
-    Value::Object(req)
+    serde_json::to_vec(&req).expect("a JSON object serializes")
 }
 
 #[cfg(test)]
@@ -390,13 +458,43 @@ mod tests {
         assert!(!r.stop_str_hidden);
     }
 
+    /// The engines get the client's members as it wrote them: its order,
+    /// its spelling of numbers and strings; a repeated key once, with the
+    /// value `body` reads.
+    #[test]
+    fn bodies_copy_the_clients_members_exactly() {
+        let raw = r#"{"temperature":0.70,"messages":[{"role":"user","content":"caf\u00e9"}],"model":"m","n":1e0,"model":"m2","conversation_id":"c"}"#;
+        let r = parse_request(Api::Chat, &HeaderMap::new(), raw.as_bytes(), "t", "d").unwrap();
+        assert_eq!(r.body["model"], "m2");
+        assert_eq!(r.model.as_deref(), Some("m2"));
+        let params = RawValue::from_string("{}".into()).unwrap();
+        let d = String::from_utf8(decode_body(&r.members, &params)).unwrap();
+        assert_eq!(
+            d,
+            r#"{"kv_transfer_params":{},"temperature":0.70,"messages":[{"role":"user","content":"caf\u00e9"}],"model":"m2","n":1e0}"#
+        );
+        let t = String::from_utf8(tokenize_body(Api::Chat, &r.members).unwrap()).unwrap();
+        assert_eq!(
+            t,
+            r#"{"messages":[{"role":"user","content":"caf\u00e9"}],"model":"m2"}"#
+        );
+        let c = RawObject::parse(r#"{"max_tokens":3,"prompt":[1,2]}"#).unwrap();
+        let t = String::from_utf8(tokenize_body(Api::Completions, &c).unwrap()).unwrap();
+        assert_eq!(t, r#"{"prompt":[1,2]}"#);
+        assert!(tokenize_body(Api::Completions, &RawObject::default()).is_none());
+        for bad_body in [&b"[1]"[..], b"{\"a\":", b"{\"a\":1e999}"] {
+            let e = parse_request(Api::Chat, &HeaderMap::new(), bad_body, "t", "d").unwrap_err();
+            assert!(e.0.starts_with("body: ") || e.0.starts_with("a: "), "{e}");
+        }
+    }
+
     #[test]
     fn prefill_and_decode_bodies_carry_params_exactly() {
-        let body = json!({"model": "m", "prompt": "x", "stream": true, "max_tokens": 9,
-                          "stream_options": {"include_usage": true}, "min_tokens": 2})
-        .as_object()
-        .unwrap()
-        .clone();
+        let body = RawObject::parse(
+            r#"{"model": "m", "prompt": "x", "stream": true, "max_tokens": 9,
+                          "stream_options": {"include_usage": true}, "min_tokens": 2}"#,
+        )
+        .unwrap();
         let params = RawValue::from_string(r#"{"t":1214.2449693849999}"#.into()).unwrap();
         let p = String::from_utf8(prefill_body(&body, &params)).unwrap();
         assert!(
@@ -410,21 +508,21 @@ mod tests {
         let d: Value = serde_json::from_slice(&decode_body(&body, &params)).unwrap();
         assert_eq!(d["max_tokens"], 9);
         assert_eq!(d["stream"], true);
-        let bare = json!({"messages": [{"role": "user", "content": "a\"b"}],
-                          "max_completion_tokens": 7, "conversation_x": null})
-        .as_object()
-        .unwrap()
-        .clone();
+        let bare = RawObject::parse(
+            r#"{"messages": [{"role": "user", "content": "a\"b"}],
+                "max_completion_tokens": 7, "conversation_x": null}"#,
+        )
+        .unwrap();
         let p: Value = serde_json::from_slice(&prefill_body(&bare, &params)).unwrap();
         assert_eq!(p["stream"], false);
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["max_completion_tokens"], 1);
-        assert_eq!(p["messages"], bare["messages"]);
+        assert_eq!(p["messages"], json!([{"role": "user", "content": "a\"b"}]));
         assert!(p["conversation_x"].is_null() && p.get("conversation_x").is_some());
         let d: Value = serde_json::from_slice(&decode_body(&bare, &params)).unwrap();
         assert_eq!(d["max_completion_tokens"], 7);
         assert!(d.get("max_tokens").is_none() && d.get("stream").is_none());
-        let empty = decode_body(&Map::new(), &params);
+        let empty = decode_body(&RawObject::default(), &params);
         assert_eq!(empty, br#"{"kv_transfer_params":{"t":1214.2449693849999}}"#);
     }
 }

@@ -172,9 +172,9 @@ async fn route_inner(
             None if (req.conversation_id.is_some() || s.cfg.tokenize_every_request)
                 && s.cfg.prefix_check == PrefixCheckMode::Tokens =>
             {
-                let b = tokenize_body(api, &req.body)?;
+                let b = tokenize_body(api, &req.members)?;
                 let timeout = Duration::from_millis(s.cfg.prefill_timeout_ms);
-                s.tokenize_on(p_idx, &b, timeout).await
+                s.tokenize_on(p_idx, b, timeout).await
             }
             None => None,
         }
@@ -334,7 +334,7 @@ async fn route_inner(
     // connection broke before D answered.
     let d = s.registry.get(d_idx).expect("index");
     let decode = |up: Upstream, params: Box<RawValue>| {
-        let body = decode_body(&req.body, &params);
+        let body = decode_body(&req.members, &params);
         let (request_id, timeout) = (&request_id, Duration::from_millis(s.cfg.decode_timeout_ms));
         async move {
             let url = crate::upstream::api_url(d, api);

@@ -321,12 +321,15 @@ impl AppState {
         }
     }
 
-    /// `/tokenize` on engine `i` within `timeout`: the token ids, or `None`
+    /// `/tokenize` on engine `i` with `body` (JSON bytes, from
+    /// [`crate::request::tokenize_body`] or
+    /// [`crate::request::tokenize_text_body`]) within `timeout`: the token
+    /// ids, or `None`
     /// (after a failure the history check is used for [`TOKENIZE_RETRY_MS`]).
     pub(crate) async fn tokenize_on(
         &self,
         i: u16,
-        body: &Value,
+        body: Vec<u8>,
         timeout: Duration,
     ) -> Option<Vec<u32>> {
         if self.now_ms() < self.tokenize_retry_at_ms.load(Ordering::Relaxed) {

@@ -223,7 +223,8 @@ async fn success(
 }
 
 impl Upstream {
-    /// `POST {url}/tokenize` with `body`; the `tokens` of the answer.
+    /// `POST {url}/tokenize` with `body` (JSON bytes); the `tokens` of the
+    /// answer.
     ///
     /// # Errors
     /// [`UpstreamError`] at [`Stage::Tokenize`].
@@ -231,7 +232,7 @@ impl Upstream {
         &self,
         engine: &str,
         url: &url::Url,
-        body: &Value,
+        body: Vec<u8>,
         timeout: Duration,
     ) -> Result<Vec<u32>, UpstreamError> {
         let st = Stage::Tokenize;
@@ -239,7 +240,8 @@ impl Upstream {
             .http
             .post(url.clone())
             .timeout(timeout)
-            .json(body)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body)
             .send()
             .await
             .map_err(|e| UpstreamError::transport(st, engine, &e))?;
