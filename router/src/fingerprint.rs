@@ -20,9 +20,15 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 /// Hash of a token id sequence (little-endian u32s).
 pub fn hash_tokens(tokens: &[u32]) -> u64 {
+    // Fed 256 ids at a time: the same digest as id by id (a streaming
+    // hash), for a tenth of the instructions.
     let mut h = Xxh3::new();
-    for t in tokens {
-        h.update(&t.to_le_bytes());
+    let mut buf = [0u8; 1024];
+    for chunk in tokens.chunks(256) {
+        for (b, t) in buf.chunks_exact_mut(4).zip(chunk) {
+            b.copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
     }
     h.digest()
 }
@@ -173,6 +179,17 @@ pub fn check_prefix(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Stored fingerprints outlive a router version: the digest is the
+    /// xxh3-64 of the ids' little-endian bytes, however they are fed.
+    #[test]
+    fn token_hash_is_xxh3_of_the_le_bytes() {
+        for n in [0usize, 1, 255, 256, 257, 1000] {
+            let t: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(40_503)).collect();
+            let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+            assert_eq!(hash_tokens(&t), xxh3_64(&bytes), "{n} ids");
+        }
+    }
     use serde_json::json;
 
     #[test]

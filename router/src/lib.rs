@@ -42,6 +42,7 @@ pub mod sse;
 pub mod state;
 pub mod store;
 pub mod thresholds;
+pub mod token_ids;
 pub mod upstream;
 
 use std::net::SocketAddr;

@@ -24,9 +24,10 @@ pub fn api_url(e: &Engine, api: Api) -> &url::Url {
 
 /// `/tokenize`'s answer as far as the router reads it (typed: an answer
 /// of thousands of ids parsed into a `Value` first cost several % of the
-/// router's CPU).
+/// router's CPU; the ids themselves are read by [`crate::token_ids`]).
 #[derive(serde::Deserialize)]
 struct TokenizeReply {
+    #[serde(deserialize_with = "crate::token_ids::deserialize")]
     tokens: Vec<u32>,
 }
 

@@ -107,8 +107,11 @@ impl SseParser {
     }
 
     fn take_event(&mut self) -> SseEvent {
+        // The next block is likely as long as this one (a stream's chunks
+        // are alike): one allocation instead of a doubling series.
+        let next = Vec::with_capacity(self.raw.len());
         SseEvent {
-            raw: std::mem::take(&mut self.raw),
+            raw: std::mem::replace(&mut self.raw, next),
             data: self.data.take(),
             event: self.event.take(),
         }
