@@ -246,17 +246,20 @@ async fn open_loop(
     (samples, errors, starved)
 }
 
-/// utime + stime of `pid`, seconds.
+/// utime + stime of `pid` (all its threads), seconds.
+///
+/// Fields are taken by position (`proc(5)`: utime and stime are fields 14
+/// and 15, the 12th and 13th after the `)` that ends the command name).
+/// Until 2026-12-07 this skipped the fields that do not parse as `u64`,
+/// among them `tpgid`, which is `-1` for a process without a controlling
+/// terminal: run from a script or CI, the column then read stime + cutime,
+/// the router's system time alone, and user-space changes never showed.
 fn cpu_s(pid: u32) -> f64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let after = s.rsplit_once(')').map_or("", |x| x.1);
-    let f: Vec<u64> = after
-        .split_whitespace()
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // After the `)`: state (not a number, skipped) then ppid...; utime and
-    // stime are fields 14 and 15 of the line, i.e. 11th and 12th numbers here.
-    let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = field(11) + field(12);
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     ticks as f64 / hz
