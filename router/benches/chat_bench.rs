@@ -250,7 +250,7 @@ async fn open_loop(
 ///
 /// Fields are taken by position (`proc(5)`: utime and stime are fields 14
 /// and 15, the 12th and 13th after the `)` that ends the command name).
-/// Until 2026-12-07 this skipped the fields that do not parse as `u64`,
+/// Until 2026-12-06 this skipped the fields that do not parse as `u64`,
 /// among them `tpgid`, which is `-1` for a process without a controlling
 /// terminal: run from a script or CI, the column then read stime + cutime,
 /// the router's system time alone, and user-space changes never showed.

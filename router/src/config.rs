@@ -181,10 +181,12 @@ pub struct RouterConfig {
     pub retention: kvloop_retention::RetentionConfig,
     /// Worker threads of the router's runtime: one event loop serves every
     /// request without waking other threads (`chat_bench`, 2 shared cores,
-    /// 400 req/s, same run: router CPU per request 180–210 µs with 1
-    /// worker, 220–310 µs with 2); one worker carries a few thousand
-    /// requests per second, so scale with replicas, or raise this past that
-    /// [1].
+    /// 400 req/s, same run: the router's system time per request 180–210 µs
+    /// with 1 worker, 220–310 µs with 2; that bench read system time only
+    /// until 2026-12-06). One worker spends about 1 ms of CPU per chat
+    /// request on that VM (docs/operator-guide.md, "Router CPU"), so it
+    /// carries several hundred requests per second: scale with replicas,
+    /// or raise this past that [1].
     pub worker_threads: usize,
     /// Registered engines [none].
     pub engines: Vec<EngineConfig>,
