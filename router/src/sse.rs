@@ -68,45 +68,6 @@ impl ReplySummary {
         }
     }
 
-    fn absorb_choice(&mut self, c: &Value) {
-        if c.get("index").and_then(Value::as_u64).unwrap_or(0) != 0 {
-            self.extra_choices = true;
-            return;
-        }
-        if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
-            self.finish_reason = Some(f.to_string());
-        }
-        if c.get("stop_reason").is_some_and(Value::is_string) {
-            self.stopped_on_string = true;
-        }
-        if let Some(t) = c.get("text").and_then(Value::as_str) {
-            self.text.push_str(t);
-        }
-        for part in ["delta", "message"] {
-            let Some(d) = c.get(part) else { continue };
-            if let Some(t) = d.get("content").and_then(Value::as_str) {
-                self.text.push_str(t);
-            }
-            for r in ["reasoning_content", "reasoning"] {
-                if d.get(r)
-                    .and_then(Value::as_str)
-                    .is_some_and(|s| !s.is_empty())
-                {
-                    self.rewritable_output = true;
-                }
-            }
-            if d.get("tool_calls")
-                .and_then(Value::as_array)
-                .is_some_and(|a| !a.is_empty())
-            {
-                self.rewritable_output = true;
-            }
-            if d.get("function_call").is_some_and(|f| !f.is_null()) {
-                self.rewritable_output = true;
-            }
-        }
-    }
-
     /// Absorb one JSON object (a stream chunk or a whole response) and
     /// remove its `kv_transfer_params`. Returns whether it had them.
     pub fn absorb(&mut self, obj: &mut RawObject) -> bool {
@@ -115,29 +76,22 @@ impl ReplySummary {
         if let Some(p) = params.filter(|p| p.get() != "null") {
             self.kv_transfer_params = Some(p);
         }
-        if obj.get("error").is_some_and(|e| e.get() != "null") {
-            self.error = true;
-        }
-        if let Some(Value::Array(choices)) = parse(obj.get("choices")) {
-            for c in &choices {
-                self.absorb_choice(c);
-            }
-        }
-        if let Some(n) =
-            parse(obj.get("usage")).and_then(|u| u.get("completion_tokens").and_then(Value::as_u64))
-        {
-            self.completion_tokens = Some(n);
-        }
+        let choices = parse(obj.get("choices"));
+        let usage = parse(obj.get("usage"));
+        let view = ChunkView::from_values(
+            obj.get("error").is_some_and(|e| e.get() != "null"),
+            choices.as_ref(),
+            usage.as_ref(),
+        );
+        self.absorb_view(&view);
         had
     }
-}
 
-impl ReplySummary {
-    /// [`ReplySummary::absorb`] of a chunk read as a [`ChunkView`] (which
-    /// has no `kv_transfer_params`): the same rules on typed, borrowed
-    /// members.
+    /// The summary's rules, on one chunk's members as [`ChunkView`] holds
+    /// them (read in one typed pass, or from `Value`s by
+    /// [`ChunkView::from_values`]).
     fn absorb_view(&mut self, chunk: &ChunkView<'_>) {
-        if chunk.error.is_some() {
+        if chunk.error {
             self.error = true;
         }
         for Obj(c) in chunk.choices.iter().flatten() {
@@ -148,7 +102,7 @@ impl ReplySummary {
             if let Some(f) = &c.finish_reason {
                 self.finish_reason = Some(f.to_string());
             }
-            if c.stop_reason.is_some_and(|r| r.get().starts_with('"')) {
+            if c.stop_reason_is_string {
                 self.stopped_on_string = true;
             }
             if let Some(t) = &c.text {
@@ -162,10 +116,7 @@ impl ReplySummary {
                     .into_iter()
                     .flatten()
                     .any(|r| !r.is_empty());
-                if reasoning
-                    || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
-                    || d.function_call.is_some()
-                {
+                if reasoning || d.tool_calls || d.function_call {
                     self.rewritable_output = true;
                 }
             }
@@ -176,22 +127,24 @@ impl ReplySummary {
     }
 }
 
-/// One stream chunk read in one pass into borrowed, typed members: the fast
-/// path of [`StreamRewriter`] (a chunk is parsed for every token D streams;
-/// through [`RawObject`] and `Value` this cost about 6 % of the router's CPU
-/// in `chat_bench`). It takes only chunks whose members have the types the
-/// `Value` rules of [`ReplySummary::absorb`] read, and none with
-/// `kv_transfer_params` (present, even `null`) or a duplicate member
-/// (serde rejects those): every other chunk, `None` here, takes the general
-/// path, so both paths give the same summary.
+/// What the summary's rules read of one chunk, borrowed from it. Read in
+/// one typed pass ([`ChunkView::parse`]): the fast path of
+/// [`StreamRewriter`] (a chunk is parsed for every token D streams; through
+/// [`RawObject`] and `Value` this cost about 6 % of the router's CPU in
+/// `chat_bench`), which takes only chunks whose members have the types the
+/// rules read, and none with `kv_transfer_params` (present, even `null`) or
+/// a duplicate member (serde rejects those). Every other chunk takes the
+/// general path, which builds the same view from `Value`s, reading a member
+/// of another type as absent ([`ChunkView::from_values`]).
 #[derive(serde::Deserialize)]
 struct ChunkView<'a> {
-    /// Absent: `None`; present (any value, `null` too): `Some`.
+    /// Absent: `None`; present (any value, `null` too): `Some`. Only the
+    /// typed pass reads it (the general path removes the member first).
     #[serde(default, borrow, deserialize_with = "present")]
     kv_transfer_params: Option<Option<&'a RawValue>>,
-    /// `None` when absent or `null`.
-    #[serde(default, borrow)]
-    error: Option<&'a RawValue>,
+    /// Present and not `null`.
+    #[serde(default, deserialize_with = "non_null")]
+    error: bool,
     #[serde(default, borrow)]
     choices: Option<Vec<Obj<ChoiceView<'a>>>>,
     #[serde(default)]
@@ -204,8 +157,8 @@ struct ChoiceView<'a> {
     index: Option<u64>,
     #[serde(default, borrow)]
     finish_reason: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    stop_reason: Option<&'a RawValue>,
+    #[serde(default, rename = "stop_reason", deserialize_with = "is_string")]
+    stop_reason_is_string: bool,
     #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -222,17 +175,64 @@ struct DeltaView<'a> {
     reasoning_content: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     reasoning: Option<Cow<'a, str>>,
-    #[serde(default)]
-    tool_calls: Option<Vec<IgnoredAny>>,
-    /// `None` when absent or `null`.
-    #[serde(default, borrow)]
-    function_call: Option<&'a RawValue>,
+    /// A non-empty array.
+    #[serde(default, deserialize_with = "non_empty_array")]
+    tool_calls: bool,
+    /// Present and not `null`.
+    #[serde(default, deserialize_with = "non_null")]
+    function_call: bool,
 }
 
 #[derive(serde::Deserialize)]
 struct UsageView {
     #[serde(default)]
     completion_tokens: Option<u64>,
+}
+
+impl<'a> ChunkView<'a> {
+    /// The chunk, when it is a JSON object that the fast path takes.
+    fn parse(data: &'a str) -> Option<Self> {
+        let Obj(chunk) = serde_json::from_str::<Obj<Self>>(data).ok()?;
+        chunk.kv_transfer_params.is_none().then_some(chunk)
+    }
+
+    /// The view of a chunk's `error` (present and not `null`), `choices` and
+    /// `usage` parsed as `Value`s; a member of another type than the rules
+    /// read counts as absent, a choice that is not an object as an empty
+    /// choice 0.
+    fn from_values(error: bool, choices: Option<&'a Value>, usage: Option<&'a Value>) -> Self {
+        let text = |v: &'a Value, k: &str| v.get(k).and_then(Value::as_str).map(Cow::Borrowed);
+        let part = |d: &'a Value| DeltaView {
+            content: text(d, "content"),
+            reasoning_content: text(d, "reasoning_content"),
+            reasoning: text(d, "reasoning"),
+            tool_calls: d
+                .get("tool_calls")
+                .and_then(Value::as_array)
+                .is_some_and(|a| !a.is_empty()),
+            function_call: d.get("function_call").is_some_and(|f| !f.is_null()),
+        };
+        let choice = |c: &'a Value| ChoiceView {
+            index: c.get("index").and_then(Value::as_u64),
+            finish_reason: text(c, "finish_reason"),
+            stop_reason_is_string: c.get("stop_reason").is_some_and(Value::is_string),
+            text: text(c, "text"),
+            delta: c.get("delta").map(|d| Obj(part(d))),
+            message: c.get("message").map(|d| Obj(part(d))),
+        };
+        ChunkView {
+            kv_transfer_params: None,
+            error,
+            choices: choices
+                .and_then(Value::as_array)
+                .map(|a| a.iter().map(|c| Obj(choice(c))).collect()),
+            usage: usage.map(|u| {
+                Obj(UsageView {
+                    completion_tokens: u.get("completion_tokens").and_then(Value::as_u64),
+                })
+            }),
+        }
+    }
 }
 
 /// A member read only from a JSON object (serde's derived structs also take
@@ -262,12 +262,18 @@ fn present<'de, D: serde::Deserializer<'de>>(
     Option::<&'de RawValue>::deserialize(d).map(Some)
 }
 
-impl<'a> ChunkView<'a> {
-    /// The chunk, when it is a JSON object that the fast path takes.
-    fn parse(data: &'a str) -> Option<Self> {
-        let Obj(chunk) = serde_json::from_str::<Obj<Self>>(data).ok()?;
-        chunk.kv_transfer_params.is_none().then_some(chunk)
-    }
+fn non_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Option::<&'de RawValue>::deserialize(d).map(|v| v.is_some())
+}
+
+fn is_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Option::<&'de RawValue>::deserialize(d).map(|v| v.is_some_and(|r| r.get().starts_with('"')))
+}
+
+/// Any other type than an array (or `null`) is refused: the chunk then
+/// takes the general path.
+fn non_empty_array<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Option::<Vec<IgnoredAny>>::deserialize(d).map(|v| v.is_some_and(|a| !a.is_empty()))
 }
 
 fn parse(raw: Option<&RawValue>) -> Option<Value> {
