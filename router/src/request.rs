@@ -2,7 +2,7 @@
 use std::collections::HashMap;
 
 use axum::http::HeaderMap;
-use kvloop_router_api::json::RawObject;
+use kvloop_router_api::json::{self, RawObject};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
@@ -250,12 +250,7 @@ fn write_body(
     overrides: &[Override],
     drop: &[&str],
 ) -> Vec<u8> {
-    let size: usize = body
-        .0
-        .iter()
-        .map(|(k, v)| k.len() + v.get().len() + 4)
-        .sum();
-    let mut out = Vec::with_capacity(params.get().len() + size + 64);
+    let mut out = Vec::with_capacity(params.get().len() + body.text_len() + 64);
     out.extend_from_slice(b"{\"kv_transfer_params\":");
     out.extend_from_slice(params.get().as_bytes());
     for (k, v) in &body.0 {
@@ -265,7 +260,7 @@ fn write_body(
         out.push(b',');
         match overrides.iter().find(|o| o.key == k) {
             Some(o) => write_member(&mut out, k, &o.value),
-            None => write_raw_member(&mut out, k, v),
+            None => json::write_member(&mut out, k, v),
         }
     }
     for o in overrides
@@ -284,13 +279,6 @@ fn write_member(out: &mut Vec<u8>, key: &str, value: &Value) {
     serde_json::to_writer(&mut *out, key).expect("a string serializes");
     out.push(b':');
     serde_json::to_writer(&mut *out, value).expect("a JSON value serializes");
-}
-
-/// `"key":value`, the value copied as received.
-fn write_raw_member(out: &mut Vec<u8>, key: &str, value: &RawValue) {
-    serde_json::to_writer(&mut *out, key).expect("a string serializes");
-    out.push(b':');
-    out.extend_from_slice(value.get().as_bytes());
 }
 
 /// The prefill request: the client's body as a one-token, non-streaming
@@ -348,20 +336,14 @@ pub fn tokenize_body(api: Api, body: &RawObject) -> Option<Vec<u8>> {
         }
         Api::Chat => CHAT,
     };
-    let mut out = Vec::with_capacity(
-        body.0
-            .iter()
-            .map(|(k, v)| k.len() + v.get().len() + 4)
-            .sum::<usize>()
-            + 2,
-    );
+    let mut out = Vec::with_capacity(body.text_len() + 2);
     out.push(b'{');
     for (k, v) in &body.0 {
         if k == "model" || keys.contains(&k.as_str()) {
             if out.len() > 1 {
                 out.push(b',');
             }
-            write_raw_member(&mut out, k, v);
+            json::write_member(&mut out, k, v);
         }
     }
     out.push(b'}');

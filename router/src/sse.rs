@@ -299,7 +299,7 @@ pub fn rewrite_body(body: &[u8]) -> (ReplySummary, Option<Vec<u8>>) {
         return (summary, None);
     };
     let had = summary.absorb(&mut obj);
-    (summary, had.then(|| obj.to_json().into_bytes()))
+    (summary, had.then(|| obj.to_json_bytes()))
 }
 
 /// Incremental SSE rewriter of D's stream.
@@ -361,7 +361,7 @@ impl StreamRewriter {
                 out.extend_from_slice(format!("event: {e}\n").as_bytes());
             }
             out.extend_from_slice(b"data: ");
-            out.extend_from_slice(obj.to_json().as_bytes());
+            out.extend_from_slice(&obj.to_json_bytes());
             out.extend_from_slice(b"\n\n");
         }
     }

@@ -75,25 +75,39 @@ impl RawObject {
 
     /// The object's JSON text: members in order, values exactly as held.
     pub fn to_json(&self) -> String {
-        let mut s = String::with_capacity(
-            2 + self
-                .0
-                .iter()
-                .map(|(k, v)| k.len() + v.get().len() + 4)
-                .sum::<usize>(),
-        );
-        s.push('{');
+        String::from_utf8(self.to_json_bytes()).expect("JSON text is UTF-8")
+    }
+
+    /// [`RawObject::to_json`] as bytes.
+    pub fn to_json_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.text_len() + 2);
+        out.push(b'{');
         for (i, (k, v)) in self.0.iter().enumerate() {
             if i > 0 {
-                s.push(',');
+                out.push(b',');
             }
-            s.push_str(&serde_json::to_string(k).expect("a string serializes"));
-            s.push(':');
-            s.push_str(v.get());
+            write_member(&mut out, k, v);
         }
-        s.push('}');
-        s
+        out.push(b'}');
+        out
     }
+
+    /// Length of the members' text with their separators, bytes (an upper
+    /// bound when keys need no escapes; a capacity hint).
+    pub fn text_len(&self) -> usize {
+        self.0
+            .iter()
+            .map(|(k, v)| k.len() + v.get().len() + 4)
+            .sum()
+    }
+}
+
+/// Appends `"key":value` to `out`, the key escaped, the value's text as
+/// held.
+pub fn write_member(out: &mut Vec<u8>, key: &str, value: &RawValue) {
+    serde_json::to_writer(&mut *out, key).expect("a string serializes");
+    out.push(b':');
+    out.extend_from_slice(value.get().as_bytes());
 }
 
 /// The raw JSON of a serializable value.
