@@ -246,25 +246,6 @@ async fn open_loop(
     (samples, errors, starved)
 }
 
-/// utime + stime of `pid` (all its threads), seconds.
-///
-/// Fields are taken by position (`proc(5)`: utime and stime are fields 14
-/// and 15, the 12th and 13th after the `)` that ends the command name).
-/// Until 2026-12-06 this skipped the fields that do not parse as `u64`,
-/// among them `tpgid`, which is `-1` for a process without a controlling
-/// terminal: run from a script or CI, the column then read stime + cutime,
-/// the router's system time alone, and user-space changes never showed.
-fn cpu_s(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = s.rsplit_once(')').map_or("", |x| x.1);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let field = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    let ticks = field(11) + field(12);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    ticks as f64 / hz
-}
-
 /// The CPU the router and Redis get, when pinning (2 or more CPUs and
 /// `KVLOOP_BENCH_PIN` not `0`): the last one; this thread (and the threads
 /// it starts: engines, client) gets the others.
@@ -363,11 +344,13 @@ fn measure(
         ))
     };
     run(1.0);
-    let cpu0 = router.map_or(0.0, |c| cpu_s(c.pid()));
+    let cpu0 = router.map_or(0.0, |c| kvloop_tests::process_cpu_s(&c.pid().to_string()));
     let t0 = Instant::now();
     let (samples, errors, starved) = run(secs);
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = router.map_or(f64::NAN, |c| cpu_s(c.pid()) - cpu0);
+    let cpu = router.map_or(f64::NAN, |c| {
+        kvloop_tests::process_cpu_s(&c.pid().to_string()) - cpu0
+    });
     let n = samples.len();
     let mut t: Vec<f64> = samples.iter().map(|s| s.ttft_us).collect();
     RowResult {

@@ -18,18 +18,6 @@ use kvloop_router::params::KvParams;
 use kvloop_router::store::{ConvKey, ConversationStore, Lookup, Store, StoredTurn};
 use serde_json::json;
 
-/// Process CPU time (user + system), from /proc/self/stat, seconds.
-fn cpu_s() -> f64 {
-    let s = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let rest = s.rsplit_once(')').map(|x| x.1).unwrap_or("");
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    // fields 14 and 15 (utime, stime) are at 11 and 12 after the ")".
-    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / 100.0
-}
-
 fn turn(i: u32) -> StoredTurn {
     let p = KvParams::parse(&json!({"remote_engine_id": "d0", "remote_request_id": format!("req-{i}"),
         "remote_block_ids": [(0..64u32).map(|b| b * 3 + i).collect::<Vec<_>>()], "remote_port": 5601,
@@ -57,7 +45,7 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
 
 /// `n` requests over `convs` conversations from `tasks` concurrent tasks.
 async fn run(store: Arc<Store>, n: usize, convs: usize, tasks: usize) -> (Vec<f64>, f64, f64) {
-    let cpu0 = cpu_s();
+    let cpu0 = kvloop_tests::process_cpu_s("self");
     let t0 = Instant::now();
     let per = n / tasks;
     let hs: Vec<_> = (0..tasks)
@@ -86,7 +74,7 @@ async fn run(store: Arc<Store>, n: usize, convs: usize, tasks: usize) -> (Vec<f6
         all.extend(l);
     }
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = cpu_s() - cpu0;
+    let cpu = kvloop_tests::process_cpu_s("self") - cpu0;
     (all, wall, cpu)
 }
 

@@ -2,7 +2,8 @@
 //! readiness ([`ReadyChild`], [`NodeChild`]), two "nodes" in network
 //! namespaces ([`NodePair`]), several on one bridge ([`NodeStar`]), a real
 //! `redis-server` ([`RedisServer`]), a demo held for the tools ([`held`]),
-//! free ports, the lookup of the workspace's binaries, and the policy for tests with a real dependency ([`deps`]).
+//! free ports, the lookup of the workspace's binaries, a process's CPU time
+//! ([`process_cpu_s`]), and the policy for tests with a real dependency ([`deps`]).
 //!
 //! Policy (ARCHITECTURE.md, issue 11): a test that needs root, a tool or a
 //! runtime is marked `#[ignore = "needs root (network namespaces)"]`-style,
@@ -14,6 +15,7 @@
 //! (re-exported as `kvloop_cli::child` / `kvloop_cli::netns`), so this crate
 //! stays light: no dataplane, no probes.
 pub mod child;
+pub mod cpu;
 pub mod deps;
 pub mod held;
 pub mod netns;
@@ -25,6 +27,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 pub use child::{NodeChild, ReadyChild};
+pub use cpu::process_cpu_s;
 pub use deps::{
     have_root, in_ci, is_root, nixl_env, nixl_libs, require_gpu, require_root, require_tool,
 };
