@@ -460,25 +460,26 @@ regions_per_block = 2
         def failures() -> int:
             return self.procs["vllm-p"].log_path.read_text(errors="replace").count("handshake_failed")
 
-        for k in range(attempts):
+        def turn(k: int, which: str, msgs: list) -> tuple[int, bytes]:
             # A stalled engine (its /health late: seen, D's first READ took
             # 90 s) is marked unhealthy and the router answers 503 until it
             # is healthy again: wait for that rather than burn the attempts.
             self.wait_router_healthy(300)
-            before = failures()
-            msgs = [{"role": "user", "content": text}]
             st, b = http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
                          dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
             if st != 200:
-                log(f"warm-up {k + 1}: first turn answered {st}: {b[:200]!r}")
+                log(f"warm-up {k + 1}: {which} turn answered {st}: {b[:200]!r}")
+            return st, b
+
+        for k in range(attempts):
+            before = failures()
+            msgs = [{"role": "user", "content": text}]
+            st, b = turn(k, "first", msgs)
+            if st != 200:
                 continue
             msgs += [{"role": "assistant", "content": json.loads(b)["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "and then"}]
-            self.wait_router_healthy(300)
-            st, b = http("POST", f"http://{ROUTER_ON}/v1/chat/completions",
-                         dict(body, messages=msgs, conversation_id=f"warm-{k}"), timeout=300)
-            if st != 200:
-                log(f"warm-up {k + 1}: second turn answered {st}: {b[:200]!r}")
+            turn(k, "second", msgs)
             m = metrics(f"http://{ROUTER_ON}/metrics")
             if metric_sum(m, "kvloop_router_decisions_total", reason="pulled") >= 1 and failures() == before:
                 log(f"warm-up: D->P READ done after {k + 1} conversation(s)")
