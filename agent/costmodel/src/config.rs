@@ -60,6 +60,17 @@ pub struct CostModelConfig {
     /// the per-token READ cost); a step change is followed within seconds
     /// through the change detector, not through the decay.
     pub transfer_half_life_ms: u64,
+    /// Absolute part of a READ time's noise, ms: the transfer fit scales a
+    /// READ's residual by `predicted + transfer_noise_floor_ms` instead of
+    /// `predicted` alone (`src/fit.rs`), so the scheduling jitter of a busy
+    /// node does not make sub-millisecond probes look ±100 % noisy and drag
+    /// the whole path's residual scale, confidence and change detector with
+    /// them. Default 1 ms: the jitter `make demo-cluster` shows on a 2-core
+    /// VM (residual scale 0.56–0.97 with a purely relative fit); on EFA
+    /// nodes READs that inform the threshold take milliseconds or more, so
+    /// the floor only takes weight from the tiniest probes. 0: purely
+    /// relative residuals, as before.
+    pub transfer_noise_floor_ms: f64,
     /// Half-life of a prefill sample's weight in the prefill fit, ms.
     /// Default 60000 ms (prefill cost changes with load, more slowly than a
     /// link; steps are caught by the change detector).
@@ -161,6 +172,7 @@ impl Default for CostModelConfig {
     fn default() -> Self {
         CostModelConfig {
             transfer_half_life_ms: 60_000,
+            transfer_noise_floor_ms: 1.0,
             prefill_half_life_ms: 60_000,
             max_samples_per_model: 2048,
             max_sample_age_ms: 120_000,
@@ -244,6 +256,7 @@ impl CostModelConfig {
         }
         let finite_nonneg = [
             ("prior_per_descriptor_ms", self.prior_per_descriptor_ms),
+            ("transfer_noise_floor_ms", self.transfer_noise_floor_ms),
             ("change_detect_slack", self.change_detect_slack),
             ("band_sigmas", self.band_sigmas),
             (

@@ -16,12 +16,19 @@
 //!    retransmit, a prefill queued behind another) get weight 0 instead of a
 //!    bounded pull.
 //!
-//! Residuals are *relative* (`(y - ŷ) / ŷ`, weights `1/ŷ²`): latencies span
-//! orders of magnitude (a 1-block probe vs a 64k-token READ) and their noise is
-//! multiplicative, so absolute residuals would let the largest transfers decide
-//! everything and leave the fixed cost unmeasured. The scale is the MAD of the
-//! relative residuals (×1.4826), floored so that noiseless data never gives a
-//! zero scale.
+//! Residuals are *relative* (`(y - ŷ) / (ŷ + f)`, weights `1/(ŷ + f)²`):
+//! latencies span orders of magnitude (a 1-block probe vs a 64k-token READ)
+//! and their noise is multiplicative, so absolute residuals would let the
+//! largest transfers decide everything and leave the fixed cost unmeasured.
+//! `f` ([`FitParams::noise_floor`], ms) is the absolute part of the noise: a
+//! busy node delays any READ's completion by its scheduling jitter (about a
+//! millisecond on the 2-core VM of `make demo-cluster`), which is ±200 % of
+//! a 0.5 ms probe and nothing to a 30 ms READ. Without it, the small probes'
+//! jitter set the residual scale of the whole path (0.56–0.97 in
+//! `make demo-cluster`), which kept its confidence near the router's floor
+//! and blunted the change detector. The scale is the MAD of the relative
+//! residuals (×1.4826), floored so that noiseless data never gives a zero
+//! scale.
 //!
 //! Identifiability: before fitting, each coefficient (in order) is checked for
 //! whether its column is distinguishable from the earlier free columns (pivot
@@ -64,6 +71,17 @@ pub(crate) struct FitParams {
     pub min_sigma: f64,
     /// Floor of predictions and observations, ms (keeps `1/ŷ²` finite).
     pub floor_y: f64,
+    /// Absolute part of the noise, ms, added to a prediction or an
+    /// observation to scale its residual (see the module docs; 0: purely
+    /// relative).
+    pub noise_floor: f64,
+}
+
+impl FitParams {
+    /// Scale of a residual at `y` ms: `max(y, floor_y) + noise_floor`.
+    pub(crate) fn scale_at(&self, y: f64) -> f64 {
+        y.max(self.floor_y) + self.noise_floor.max(0.0)
+    }
 }
 
 /// Result of [`robust_fit`].
@@ -124,7 +142,7 @@ fn solve_small<const N: usize>(
 fn identifiable(rows: &[Row], p: &FitParams) -> [bool; K] {
     let mut m = [[0.0f64; K]; K];
     for r in rows {
-        let v = r.w / (r.y.max(p.floor_y) * r.y.max(p.floor_y));
+        let v = r.w / (p.scale_at(r.y) * p.scale_at(r.y));
         for i in 0..K {
             for j in 0..K {
                 m[i][j] += v * r.x[i] * r.x[j];
@@ -263,7 +281,8 @@ fn predict(beta: &[f64; K], x: &[f64; K]) -> f64 {
 }
 
 /// Covariance of the free coefficients: `A⁻¹ B A⁻¹` with
-/// `A = Σ uᵢ xᵢxᵢᵀ`, `B = Σ uᵢ² σ² ŷᵢ² xᵢxᵢᵀ` (relative noise: `Var yᵢ = σ² ŷᵢ²`).
+/// `A = Σ uᵢ xᵢxᵢᵀ`, `B = Σ uᵢ² σ² ŷᵢ² xᵢxᵢᵀ` (relative noise: `Var yᵢ = σ² ŷᵢ²`,
+/// `ŷᵢ` here the residual's scale, prediction + noise floor).
 fn covariance(rows: &[Row], u: &[f64], yhat: &[f64], sigma: f64, free: [bool; K]) -> [[f64; K]; K] {
     let idx: Vec<usize> = (0..K).filter(|&j| free[j]).collect();
     let n = idx.len();
@@ -349,7 +368,7 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
             // Start: relative least squares against the observations.
             let u0: Vec<f64> = rows
                 .iter()
-                .map(|r| r.w / (r.y.max(p.floor_y) * r.y.max(p.floor_y)))
+                .map(|r| r.w / (p.scale_at(r.y) * p.scale_at(r.y)))
                 .collect();
             wls(&rows, &u0, identified0, fixed)?
         }
@@ -357,13 +376,15 @@ pub(crate) fn robust_fit(rows_in: &[Row], p: &FitParams, warm: Option<[f64; K]>)
     let huber_iters = if warm.is_some() { 1 } else { HUBER_ITERS };
     let bisquare_iters = if warm.is_some() { 3 } else { BISQUARE_ITERS };
     let mut resid = vec![0.0; rows.len()];
+    // Per row: the residual's scale at the prediction (`ŷ + f`).
     let mut yhat = vec![0.0; rows.len()];
     let mut u = vec![0.0; rows.len()];
     let mut scratch: Vec<(f64, f64)> = Vec::with_capacity(rows.len());
     let residuals = |beta: &[f64; K], resid: &mut [f64], yhat: &mut [f64]| {
         for (i, r) in rows.iter().enumerate() {
-            yhat[i] = predict(beta, &r.x).max(p.floor_y);
-            resid[i] = (r.y - yhat[i]) / yhat[i];
+            let pred = predict(beta, &r.x).max(p.floor_y);
+            yhat[i] = p.scale_at(pred);
+            resid[i] = (r.y - pred) / yhat[i];
         }
     };
     let scale = |resid: &[f64], scratch: &mut Vec<(f64, f64)>| -> f64 {
@@ -461,6 +482,7 @@ mod tests {
             min_pivot: 0.01,
             min_sigma: 1e-3,
             floor_y: 1e-6,
+            noise_floor: 0.0,
         }
     }
 

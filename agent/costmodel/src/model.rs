@@ -295,7 +295,13 @@ impl CostModel {
         ];
         let hl_x = Duration::from_millis(cfg.transfer_half_life_ms);
         for m in self.transfers.values_mut() {
-            m.refit(now, hl_x, cfg, prior_x, [1.0, PENALTY_BANDWIDTH, 1.0]);
+            m.refit(
+                now,
+                hl_x,
+                cfg,
+                (prior_x, [1.0, PENALTY_BANDWIDTH, 1.0]),
+                cfg.transfer_noise_floor_ms,
+            );
         }
         let prior_p = [
             0.0,
@@ -308,8 +314,8 @@ impl CostModel {
                 now,
                 hl_p,
                 cfg,
-                prior_p,
-                [1.0, PENALTY_PREFILL_LINEAR, PENALTY_PREFILL_CTX],
+                (prior_p, [1.0, PENALTY_PREFILL_LINEAR, PENALTY_PREFILL_CTX]),
+                0.0,
             );
         }
         self.last_update = Some(now);

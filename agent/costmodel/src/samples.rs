@@ -239,6 +239,39 @@ fn ratio_residual(r: f64) -> f64 {
     }
 }
 
+/// Samples at the end of an alarmed CUSUM run whose mean sets the shift's
+/// size in [`change_point`].
+const SHIFT_TAIL: usize = 3;
+
+/// When the shift that raised an alarm began, from the run of
+/// standardized residuals `run` (time order, signed so that the shift is
+/// positive) between the CUSUM's last zero and the alarm: the start `τ`
+/// that maximizes `Σ_{i ≥ τ} (z_i − k')`, the likelihood-ratio estimate
+/// of a mean shift of size `2k'`, with `k'` half the mean of the run's last
+/// [`SHIFT_TAIL`] residuals (at least the detector's slack `k`). The
+/// CUSUM's own start (its last zero) assumes a shift of `2k`: under noise
+/// skewed by jitter the sum can stay above zero long before a gross step,
+/// and every sample from then on would be kept as the new regime's, so
+/// that the refit, outvoted by the old regime's samples, rejected the new
+/// ones as outliers and never moved. `None` for an empty run.
+fn change_point(run: &[(Instant, f64)], k: f64) -> Option<Instant> {
+    let tail = &run[run.len().saturating_sub(SHIFT_TAIL)..];
+    if tail.is_empty() {
+        return None;
+    }
+    let shift = tail.iter().map(|x| x.1).sum::<f64>() / tail.len() as f64;
+    let k2 = k.max(shift / 2.0);
+    let (mut best, mut best_at, mut acc) = (f64::NEG_INFINITY, None, 0.0);
+    for &(at, z) in run.iter().rev() {
+        acc += z - k2;
+        if acc >= best {
+            best = acc;
+            best_at = Some(at);
+        }
+    }
+    best_at
+}
+
 /// Two-sided CUSUM of standardized ratio residuals ([`ratio_residual`]) of new samples against
 /// the current fit (Page's test): `S⁺ = max(0, S⁺ + z − k)`,
 /// `S⁻ = max(0, S⁻ − z − k)`, alarm when either exceeds `h`.
@@ -313,7 +346,7 @@ impl<S: Sample> SampleModel<S> {
 
     /// Feeds the samples that arrived since the last refit to the change
     /// detector; on an alarm drops the samples older than the shifted run.
-    fn detect_change(&mut self, now: Instant, cfg: &CostModelConfig) -> bool {
+    fn detect_change(&mut self, now: Instant, cfg: &CostModelConfig, noise_floor: f64) -> bool {
         let unchecked = std::mem::take(&mut self.unchecked);
         let Some(mf) = &self.fit else { return false };
         if mf.fit.n_eff < cfg.confidence_half_samples {
@@ -328,15 +361,16 @@ impl<S: Sample> SampleModel<S> {
                 .map(|(b, x)| b * x)
                 .sum::<f64>()
                 .max(1e-6);
-            ratio_residual(y / yhat)
+            ratio_residual((y + noise_floor) / (yhat + noise_floor))
         };
         let mut sorted = unchecked;
         sorted.sort_by_key(|s| s.at());
         let sigma = mf.fit.sigma_rel.max(1e-3);
         let k = cfg.change_detect_slack;
-        let mut alarm: Option<(Instant, bool)> = None;
+        let z_of = |s: &S| (residual(s) / sigma).clamp(-CUSUM_CLIP, CUSUM_CLIP);
+        let mut alarm: Option<(Instant, bool, Instant)> = None;
         for s in &sorted {
-            let z = (residual(s) / sigma).clamp(-CUSUM_CLIP, CUSUM_CLIP);
+            let z = z_of(s);
             let c = &mut self.cusum;
             if c.pos == 0.0 {
                 c.pos_since = Some(s.at());
@@ -347,15 +381,25 @@ impl<S: Sample> SampleModel<S> {
             c.pos = (c.pos + z - k).max(0.0);
             c.neg = (c.neg - z - k).max(0.0);
             if c.pos > cfg.change_detect_threshold {
-                alarm = Some((c.pos_since.unwrap_or(s.at()), true));
+                alarm = Some((c.pos_since.unwrap_or(s.at()), true, s.at()));
                 break;
             }
             if c.neg > cfg.change_detect_threshold {
-                alarm = Some((c.neg_since.unwrap_or(s.at()), false));
+                alarm = Some((c.neg_since.unwrap_or(s.at()), false, s.at()));
                 break;
             }
         }
-        if let Some((since, slower)) = alarm {
+        if let Some((start, slower, end)) = alarm {
+            let sign = if slower { 1.0 } else { -1.0 };
+            let run: Vec<(Instant, f64)> = self
+                .samples
+                .iter()
+                .filter(|s| s.at() >= start && s.at() <= end)
+                .map(|s| (s.at(), sign * z_of(s)))
+                .collect::<Vec<_>>();
+            let mut run = run;
+            run.sort_by_key(|x| x.0);
+            let since = change_point(&run, k).unwrap_or(start);
             let before = self.samples.len();
             self.samples.retain(|s| s.at() >= since);
             self.cusum = Cusum::default();
@@ -372,16 +416,17 @@ impl<S: Sample> SampleModel<S> {
     }
 
     /// Refits at `now`. `config_prior` holds the priors from the config;
-    /// `penalty` the confidence factor of each coefficient when it is fixed.
+    /// `penalty` the confidence factor of each coefficient when it is fixed;
+    /// `noise_floor` the absolute part of the noise, ms (`src/fit.rs`).
     pub fn refit(
         &mut self,
         now: Instant,
         half_life: Duration,
         cfg: &CostModelConfig,
-        config_prior: [f64; K],
-        penalty: Penalty,
+        (config_prior, penalty): ([f64; K], Penalty),
+        noise_floor: f64,
     ) {
-        let changed = self.detect_change(now, cfg);
+        let changed = self.detect_change(now, cfg, noise_floor);
         let warm = if changed {
             None
         } else {
@@ -428,6 +473,7 @@ impl<S: Sample> SampleModel<S> {
             min_pivot: cfg.min_pivot,
             min_sigma: 0.01,
             floor_y: 1e-6,
+            noise_floor,
         };
         let Some(f) = fit::robust_fit(&rows, &params, warm) else {
             self.fit = None;
@@ -482,5 +528,31 @@ impl<S: Sample> SampleModel<S> {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(ms: u64) -> Instant {
+        Instant::from_millis(ms)
+    }
+
+    #[test]
+    fn a_gross_step_starts_where_the_gross_residuals_do() {
+        // A CUSUM run that began long before the step (noise skewed above
+        // zero: +0.6 a sample), then four clipped residuals.
+        let mut run: Vec<(Instant, f64)> = (0..20).map(|i| (at(i * 100), 0.6)).collect();
+        run.extend((20..24).map(|i| (at(i * 100), 3.0)));
+        assert_eq!(change_point(&run, 0.5), Some(at(2000)));
+    }
+
+    #[test]
+    fn a_small_shift_keeps_the_whole_run() {
+        // A shift of one residual scale: the whole run is the new regime.
+        let run: Vec<(Instant, f64)> = (0..40).map(|i| (at(i * 100), 1.0)).collect();
+        assert_eq!(change_point(&run, 0.5), Some(at(0)));
+        assert_eq!(change_point(&[], 0.5), None);
     }
 }

@@ -193,6 +193,10 @@ impl Agent {
         s: TransferSample,
     ) -> Result<(), kvloop_costmodel::SampleError> {
         let source = s.source;
+        tracing::trace!(
+            %peer, ?dir, ?source, bytes = s.bytes, descriptors = s.descriptors,
+            ms = s.latency.as_secs_f64() * 1e3, "transfer sample"
+        );
         let r = self.model.lock().record_transfer(peer, dir, s);
         self.count_sample("transfer", source, r.is_ok());
         r

@@ -153,8 +153,13 @@ pub async fn run(agent: Arc<Agent>) {
                 match r {
                     Ok(o) => {
                         agent.record_own_read(&t.peer, &o, SampleSource::ActiveProbe);
+                        let observed_ms = o.elapsed_us as f64 / 1e3;
+                        tracing::debug!(
+                            peer = %t.peer, %shape, size, bytes, observed_ms,
+                            predicted_ms = predicted_ms.unwrap_or(f64::NAN),
+                            "probe READ"
+                        );
                         if size == "large" {
-                            let observed_ms = o.elapsed_us as f64 / 1e3;
                             // Judged against the model before this READ
                             // (or its overdue samples) entered it.
                             if probe_plan::confirm_again(observed_ms, predicted_ms) {
