@@ -370,16 +370,19 @@ impl LoadBook {
     /// (its own and, where replicas share their lines, the others') still
     /// have ([`LoadBook::remaining_ms`]), plus the mean prediction for each
     /// request the engine last reported beyond those (sent by routers that
-    /// do not share; `None` before any prediction was counted). Known
-    /// prefills are costed by their own predictions and progress, not as
-    /// the mean: a report counts a prefill about to finish like one just
-    /// begun.
+    /// do not share). The mean is this replica's (an EWMA of its
+    /// predictions) or, before it predicted anything (a replica just
+    /// started or restarted), that of the prefills the other replicas
+    /// share, so that it sees their work at once instead of every P idle;
+    /// `None` when there is neither. Known prefills are costed by their own
+    /// predictions and progress, not as the mean: a report counts a
+    /// prefill about to finish like one just begun.
     pub fn queue_ms(&self, engine: u16, now_ms: u64) -> Option<f64> {
         let e = self.engines.get(usize::from(engine))?;
-        let mean_bits = self.mean_prefill_ms_bits.load(Ordering::Relaxed);
-        if mean_bits == 0 {
-            return None;
-        }
+        let mean_ms = match self.mean_prefill_ms_bits.load(Ordering::Relaxed) {
+            0 => self.shared_mean_ms()?,
+            bits => f64::from_bits(bits),
+        };
         let (known, known_items) = known_work(e, now_ms);
         let n = e.reported_requests.load(Ordering::Relaxed);
         let unknown = if n == u32::MAX {
@@ -387,7 +390,20 @@ impl LoadBook {
         } else {
             (n as usize).saturating_sub(known_items)
         };
-        Some(known + unknown as f64 * f64::from_bits(mean_bits))
+        Some(known + unknown as f64 * mean_ms)
+    }
+
+    /// Mean predicted compute of the prefills other replicas share, over
+    /// every engine, ms (`None` when they share none).
+    fn shared_mean_ms(&self) -> Option<f64> {
+        let (sum_us, n) = self.engines.iter().fold((0u64, 0usize), |(s, n), e| {
+            let line = e.shared.lock();
+            (
+                s.saturating_add(line.items.iter().map(|x| x.1).sum::<u64>()),
+                n + line.items.len(),
+            )
+        });
+        (n > 0).then(|| sum_us as f64 / 1e3 / n as f64)
     }
 
     /// Work the outstanding prefills on `engine` still have at `now_ms`,

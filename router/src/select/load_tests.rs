@@ -66,6 +66,29 @@ fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
 }
 
 #[test]
+fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
+    let (b, _) = book(2);
+    assert_eq!(b.queue_ms(0, 0), None, "nothing predicted, nothing shared");
+    // Another replica has two prefills on engine 0 (100 and 300 ms).
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: vec![(0, 100_000), (0, 300_000)],
+            last_done_ms: None,
+        },
+    );
+    assert_eq!(b.queue_ms(0, 0), Some(400.0));
+    // Engine 1 reports one request nobody shares: costed at their mean.
+    b.set_reported_requests(1, Some(1));
+    assert_eq!(b.queue_ms(1, 0), Some(200.0));
+    // Once this replica predicts, its own mean rules.
+    let _g = b.begin_prefill(1, 1000, Some(50.0), false, None);
+    assert_eq!(b.queue_ms(1, 0), Some(50.0), "the one reported is its own");
+    b.set_reported_requests(1, Some(2));
+    assert_eq!(b.queue_ms(1, 0), Some(100.0));
+}
+
+#[test]
 fn remaining_work_counts_down_as_the_head_computes() {
     let (b, clock) = book(1);
     clock.advance(1000);

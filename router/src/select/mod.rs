@@ -18,9 +18,10 @@
 //!     [`load::LoadBook::remaining_ms`]), plus the mean predicted compute
 //!     for each request P's own report (its waiting and running requests,
 //!     polled every `load_interval_ms`) has beyond those
-//!     ([`load::LoadBook::queue_ms`]). Before any prediction was counted: this
-//!     replica's outstanding prefill tokens on P × P's ms per token (the
-//!     model's `prefill_ms_per_token`);
+//!     ([`load::LoadBook::queue_ms`]; before this replica predicted
+//!     anything, at the mean of the other replicas' shared predictions).
+//!     With neither: this replica's outstanding prefill tokens on P × P's
+//!     ms per token (the model's `prefill_ms_per_token`);
 //!   - `reuse` = pull: `xfer_fixed_ms + r · xfer_ms_per_token` of the
 //!     (P, previous D) model; recompute: `r · (a + b · r/2)`. Where P's
 //!     agent abandons slow READs (the model's `abandons_slow_reads`), a
