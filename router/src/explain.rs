@@ -270,6 +270,7 @@ mod tests {
             abandon: Some(crate::select::load::Abandon {
                 after_ms: 600.4,
                 compute_ms: 900.0,
+                read_ms: 150.0,
             }),
             ..c
         });

@@ -38,6 +38,9 @@ struct Item {
     /// `(at ms, compute µs of the whole prompt)`. Past `at` and still
     /// outstanding, P is recomputing it ([`Fifo::settle`]).
     abandon: Option<(u64, u64)>,
+    /// When its READ is predicted to end, ms (known where it may be
+    /// abandoned: [`Abandon::read_ms`]).
+    read_end_ms: Option<u64>,
 }
 
 impl Fifo {
@@ -102,6 +105,10 @@ pub struct Abandon {
     pub after_ms: f64,
     /// P's compute of the whole prompt once it recomputes, ms.
     pub compute_ms: f64,
+    /// The READ's predicted time, ms: a prefill sent before the READ was
+    /// due to end may reach P's line first and finish first without this
+    /// READ being late (see [`PrefillGuard`]).
+    pub read_ms: f64,
 }
 
 /// Weight of a new sample in the measured prefill cost (EWMA).
@@ -186,7 +193,13 @@ pub struct LoadBook {
 /// a READ that runs long (a degraded path) would otherwise stand at the
 /// head of the line and make P look busy for as long as it lasts. It stays
 /// counted in the engine's requests (P reports it as waiting) and leaves
-/// the book when P answers it.
+/// the book when P answers it. Where its READ's predicted time is known
+/// ([`Abandon::read_ms`]) and this one was sent before that READ was due
+/// to end, finishing first says nothing of the READ (this one reached P's
+/// line first, the pull joined it behind): the pull keeps its place and
+/// starts now. Otherwise `make demo-cluster` saw such a pull booked, past
+/// its abandon deadline, as a whole-prompt recompute that P never did (a
+/// phantom 1.4 s queue that sent a turn to the busier P).
 pub struct PrefillGuard {
     book: Arc<LoadBook>,
     engine: u16,
@@ -201,13 +214,18 @@ impl Drop for PrefillGuard {
                 .fetch_sub(self.tokens, Ordering::Relaxed);
             let mut f = e.fifo.lock();
             if let Some(pos) = f.items.iter().position(|x| x.id == self.id) {
-                f.items.remove(pos);
-                let mut was_head = true;
+                let done = f.items.remove(pos).map_or(0, |x| x.sent_ms);
+                let (mut was_head, mut behind) = (true, false);
                 for x in f.items.iter_mut().take(pos) {
-                    x.overtaken |= x.pulled;
+                    // Sent before x's READ was due to end, `done` may have
+                    // reached P's line first: x's READ is not late, x
+                    // joined the line behind `done` and starts now.
+                    let late = x.read_end_ms.is_none_or(|end| done >= end);
+                    behind |= x.pulled && !late && !x.overtaken;
+                    x.overtaken |= x.pulled && late;
                     was_head &= !x.queued();
                 }
-                if was_head {
+                if was_head || behind {
                     // The next one starts now.
                     f.last_done_ms = Some(self.book.clock.now_ms());
                 }
@@ -270,14 +288,18 @@ impl LoadBook {
             e.outstanding_prefill_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
             let now = self.clock.now_ms();
-            let abandon = abandon
-                .filter(|a| pulled && a.after_ms.is_finite() && a.compute_ms.is_finite())
+            let abandon_in = abandon.filter(|_| pulled);
+            let abandon = abandon_in
+                .filter(|a| a.after_ms.is_finite() && a.compute_ms.is_finite())
                 .map(|a| {
                     (
                         now.saturating_add(a.after_ms.max(0.0).ceil() as u64),
                         (a.compute_ms.max(0.0) * 1e3) as u64,
                     )
                 });
+            let read_end_ms = abandon_in
+                .filter(|a| a.read_ms.is_finite())
+                .map(|a| now.saturating_add(a.read_ms.max(0.0).ceil() as u64));
             e.fifo.lock().items.push_back(Item {
                 id,
                 sent_ms: now,
@@ -285,6 +307,7 @@ impl LoadBook {
                 pulled,
                 overtaken: false,
                 abandon,
+                read_end_ms,
             });
         }
         if let Some(m) = compute_ms {

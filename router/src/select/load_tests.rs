@@ -167,12 +167,14 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
     let abandon = Abandon {
         after_ms: 600.0,
         compute_ms: 900.0,
+        read_ms: 20.0,
     };
     let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    clock.advance(30); // past the READ's predicted end
     let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
     clock.advance(100);
     drop(r1);
-    assert_eq!(b.remaining_ms(0, 1100), 0.0, "READing: not in P's line");
+    assert_eq!(b.remaining_ms(0, 1130), 0.0, "READing: not in P's line");
     assert_eq!(b.remaining_ms(0, 1599), 0.0);
     // At the deadline P recomputes the whole prompt, from then on.
     assert_eq!(b.remaining_ms(0, 1600), 900.0);
@@ -192,6 +194,30 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
     drop(r);
     let _p = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
+}
+
+#[test]
+fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    // A pull whose READ should take 120 ms; a recompute sent 10 ms later
+    // reaches P's line first (the pull joins it once its READ ends) and
+    // is answered first: the pull is not late, it waits in P's line.
+    let abandon = Abandon {
+        after_ms: 600.0,
+        compute_ms: 900.0,
+        read_ms: 120.0,
+    };
+    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    clock.advance(10);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    clock.advance(100);
+    drop(r1);
+    assert_eq!(b.remaining_ms(0, 1110), 50.0, "in P's line, starting now");
+    // Past its abandon deadline it is still booked as its own suffix.
+    assert_eq!(b.remaining_ms(0, 1150), 10.0);
+    assert_eq!(b.remaining_ms(0, 1700), 0.0);
+    drop(pull);
 }
 
 #[test]

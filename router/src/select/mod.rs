@@ -350,6 +350,7 @@ pub fn select(
                 .map(|after_ms| load::Abandon {
                     after_ms,
                     compute_ms: recompute_ms + suffix_ms,
+                    read_ms,
                 });
             push(true, read_ms, abandon);
         }
