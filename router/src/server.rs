@@ -216,7 +216,7 @@ async fn route_inner(
             previous_decode: None,
         };
         if s.cfg.policy == Policy::PredictedTtft {
-            let rr = s.rr_prefill.fetch_add(1, Ordering::Relaxed) as u64;
+            let rr = s.rr_select.fetch_add(1, Ordering::Relaxed) as u64;
             let healthy = |i: u16| s.healthy[i as usize].load(Ordering::Relaxed);
             let pl = crate::select::route::place_with_load(
                 s.cfg.policy,

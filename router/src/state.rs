@@ -47,6 +47,12 @@ pub struct AppState {
     clock: Arc<dyn Clock>,
     pub(crate) rr_prefill: AtomicUsize,
     pub(crate) rr_decode: AtomicUsize,
+    /// Round-robin counter of the selection (`policy = "predicted_ttft"`),
+    /// one step per routed turn. Not `rr_prefill`: that one also steps for
+    /// the `/tokenize` pick, so with two prefill engines the selection's
+    /// round robin (its fallback without models) always landed on the same
+    /// one.
+    pub(crate) rr_select: AtomicUsize,
     /// Outstanding prefill tokens and in-flight decode streams per engine
     /// (`policy = "predicted_ttft"`).
     pub(crate) load: Arc<LoadBook>,
@@ -155,6 +161,7 @@ impl AppState {
             clock: clock.clone(),
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
+            rr_select: AtomicUsize::new(0),
             load: LoadBook::new(registry.engines().len(), clock),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),

@@ -85,3 +85,25 @@ async fn predicted_ttft_without_models_falls_back_to_round_robin_and_threshold()
     assert_eq!(c.metric(PULLED).await, 2.0, "109 reusable ≥ static 64");
     assert_eq!(c.p_stats(0).reads_ok + c.p_stats(1).reads_ok, 2);
 }
+
+#[tokio::test]
+async fn predicted_ttft_without_models_alternates_the_prefill_engines() {
+    // Without a model every turn falls back to round robin. The `/tokenize`
+    // pick steps its own counter: with two prefill engines, sharing it
+    // sent every fallback turn to the same one.
+    let c = Cluster::start(Opts {
+        n_prefill: 2,
+        tweak: |cfg| cfg.policy = Policy::PredictedTtft,
+        ..Opts::default()
+    })
+    .await;
+    for i in 0..6 {
+        let m = vec![user(&words(50, &format!("t{i}")))];
+        let (st, a) = c
+            .chat(None, &format!("conv-{i}"), &m, false, json!({}))
+            .await;
+        assert_eq!(st, 200, "{a}");
+    }
+    let (p0, p1) = (c.p_stats(0).requests, c.p_stats(1).requests);
+    assert_eq!((p0, p1), (3, 3), "six first turns alternate over p0 and p1");
+}
