@@ -42,11 +42,12 @@
 //!   lowest reported KV usage, then round-robin order. A P whose (P,
 //!   previous D) model is not valid (none pushed, lapsed, or confidence below
 //!   [`SELECT_MIN_CONFIDENCE`]) has no pull option, only its recompute
-//!   option (costed with a model of another of its pairs). Where a healthy
-//!   P has no valid model at all, or a pull is possible and no P has a valid
-//!   model of the path from the previous D, predictions cannot be compared:
-//!   the turn falls back to round robin and the threshold rule (reason
-//!   `fallback_no_model`).
+//!   option (costed with a model of another of its pairs; a P with no valid
+//!   model at all borrows another healthy P's, with its own measured cost
+//!   per token where known). Where no healthy P has a valid model, or a
+//!   pull is possible and no P has a valid model of the path from the
+//!   previous D, predictions cannot be compared: the turn falls back to
+//!   round robin and the threshold rule (reason `fallback_no_model`).
 //!
 //! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
 //! times of the chosen and the runner-up option (one line:
@@ -300,17 +301,35 @@ pub fn select(
     let n_p = prefill.len();
     let mut options: Vec<(Prediction, usize)> = Vec::new();
     let mut pull_paths = 0usize;
+    // P's compute model: the (P, previous D) pair's, else any pair of P's.
+    let own_compute = |p: &PrefillView| {
+        prev.and_then(|d| valid(&pair(p.index, d).model).cloned())
+            .or_else(|| {
+                decode
+                    .iter()
+                    .find_map(|d| valid(&pair(p.index, d.index).model).cloned())
+            })
+    };
+    // A P whose agent's models all lapsed or lost confidence for a moment
+    // borrows another healthy P's (one pool serves one model), with its own
+    // measured cost per token where the router has one, rather than the
+    // whole turn falling back to round robin: that sent half the turns to
+    // the busier P in `make demo-cluster`.
+    let Some(borrowed) = prefill
+        .iter()
+        .filter(|p| p.healthy)
+        .find_map(&own_compute)
+    else {
+        return Ok(fallback(SelectReason::FallbackNoModel));
+    };
     for (pos, p) in prefill.iter().enumerate().filter(|(_, p)| p.healthy) {
-        // P's compute model: the (P, previous D) pair's, else any pair of P's.
         let pull_model = prev.and_then(|d| valid(&pair(p.index, d).model).cloned());
-        let compute = pull_model.clone().or_else(|| {
-            decode
-                .iter()
-                .find_map(|d| valid(&pair(p.index, d.index).model).cloned())
+        let m = own_compute(p).unwrap_or_else(|| CostModelCoefficients {
+            prefill_ms_per_token: p
+                .measured_ms_per_token
+                .unwrap_or(borrowed.prefill_ms_per_token),
+            ..borrowed.clone()
         });
-        let Some(m) = compute else {
-            return Ok(fallback(SelectReason::FallbackNoModel));
-        };
         // A P without a valid model of the path from the previous D keeps
         // its recompute option; the turn falls back only when no P has one
         // (below).

@@ -116,11 +116,32 @@ fn no_healthy_engine_is_an_error_naming_the_role() {
 fn without_valid_models_predicted_falls_back_to_round_robin_and_threshold() {
     let ps = [p(0, 0), p(1, 0)];
     let ds = [d(2, 0, None), d(3, 0, None)];
-    // P1 has no model at all.
-    let only_p0 = |pp: u16, _| eff((pp == 0).then(|| model(0.001)));
-    let s = select(Policy::PredictedTtft, &ps, &ds, &turn(500, 100), only_p0, 1).unwrap();
+    // No P has a model.
+    let none = |_, _| eff(None);
+    let s = select(Policy::PredictedTtft, &ps, &ds, &turn(500, 100), none, 1).unwrap();
     assert_eq!((s.prefill, s.reason), (1, SelectReason::FallbackNoModel));
     assert!(s.pull, "threshold rule: 100 ≥ 64");
+    // P1 has no model at all: it borrows P0's to cost its recompute (100
+    // tokens: 1.05 ms), cheaper than P0's pull (1 + 0.1 ms).
+    let only_p0 = |pp: u16, _| eff((pp == 0).then(|| model(0.001)));
+    let s = select(Policy::PredictedTtft, &ps, &ds, &turn(500, 100), only_p0, 1).unwrap();
+    assert_eq!(
+        (s.prefill, s.pull, s.reason),
+        (1, false, SelectReason::PredictedRecompute)
+    );
+    // ... at its own measured cost per token where the router has one.
+    let mut slow_p1 = ps;
+    slow_p1[1].measured_ms_per_token = Some(0.1);
+    let s = select(
+        Policy::PredictedTtft,
+        &slow_p1,
+        &ds,
+        &turn(500, 100),
+        only_p0,
+        1,
+    )
+    .unwrap();
+    assert_eq!(s.prefill, 0, "P1 computes 10× slower");
     // Confidence below the minimum counts as no model.
     let weak = |_, _| {
         let mut m = model(0.001);
