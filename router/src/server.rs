@@ -165,6 +165,7 @@ async fn route_inner(
         .conversation_id
         .as_deref()
         .map(|c| ConvKey::new(&req.tenant, c));
+    let conversation = key.as_ref().map(ConvKey::digest);
     let now = s.now_ms();
     let tokens = async {
         match &req.prompt_token_ids {
@@ -216,6 +217,10 @@ async fn route_inner(
             previous_decode: None,
         };
         if s.cfg.policy == Policy::PredictedTtft {
+            if let Some(c) = conversation {
+                // Another replica's prefill of this conversation is gone.
+                s.load.supersede(c);
+            }
             let rr = s.rr_select.fetch_add(1, Ordering::Relaxed) as u64;
             let healthy = |i: u16| s.healthy[i as usize].load(Ordering::Relaxed);
             let pl = crate::select::route::place_with_load(
@@ -311,6 +316,9 @@ async fn route_inner(
         decision.attach.is_some(),
         chosen.and_then(|c| c.abandon),
     );
+    if let Some(c) = conversation {
+        _prefill_load.set_conversation(c);
+    }
     let pull_failed = || {
         if let Some((k, t)) = &taken {
             s.release_turn(k, t, crate::retention::Cause::PullFailed);

@@ -355,6 +355,7 @@ async fn replicas_share_their_prefill_lines_and_forget_silent_ones() {
             ShareLine {
                 items: vec![(age, us)],
                 done_age_ms: None,
+                conversations: Vec::new(),
             },
         )]
         .into(),

@@ -41,6 +41,8 @@ struct Item {
     /// When its READ is predicted to end, ms (known where it may be
     /// abandoned: [`Abandon::read_ms`]).
     read_end_ms: Option<u64>,
+    /// Digest of its conversation (0: none), shared with the line.
+    conversation: u64,
 }
 
 impl Fifo {
@@ -82,6 +84,10 @@ pub struct SharedLine {
     pub items: Vec<(u64, u64)>,
     /// When the engine last finished one of their heads, ms.
     pub last_done_ms: Option<u64>,
+    /// Per item, the digest of its conversation
+    /// ([`crate::store::ConvKey::digest`]; 0: none); empty when the
+    /// replicas shared none.
+    pub conversations: Vec<u64>,
 }
 
 /// One replica's line on one engine as it shares it (the wire form of
@@ -91,6 +97,10 @@ pub struct SharedLine {
 pub struct ShareLine {
     /// `[age ms, predicted compute µs]` per outstanding prefill, oldest first.
     pub items: Vec<(u64, u64)>,
+    /// Per item, the digest of its conversation (0: none); absent from
+    /// replicas before it, which count as none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conversations: Vec<u64>,
     /// Time since the engine last finished this replica's head, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub done_age_ms: Option<u64>,
@@ -132,6 +142,14 @@ struct Engine {
     /// Other replicas' outstanding prefills (empty with one replica).
     shared: Mutex<SharedLine>,
 }
+
+/// How long a conversation routed here stays superseded in what other
+/// replicas share, ms: longer than their shares live
+/// (`crate::load_share::LOAD_SHARE_MAX_AGE_PERIODS` periods).
+pub const SUPERSEDED_KEEP_MS: u64 = 5_000;
+
+/// Most conversations remembered as superseded.
+const SUPERSEDED_MAX: usize = 1024;
 
 /// [`LoadBook::remaining_ms`] of one engine and how many prefills it
 /// counts (this replica's and the shared ones), in one pass over each line.
@@ -177,6 +195,9 @@ fn known_work(e: &Engine, now_ms: u64) -> (f64, usize) {
 /// Per-engine load counters, shared by the request tasks.
 pub struct LoadBook {
     engines: Vec<Engine>,
+    /// Conversations this replica routed a turn of lately, with when
+    /// (see [`LoadBook::supersede`]).
+    superseded: Mutex<VecDeque<(u64, u64)>>,
     /// f64 bits of the EWMA of predicted compute per prefill, ms (0: none yet).
     mean_prefill_ms_bits: AtomicU64,
     clock: Arc<dyn Clock>,
@@ -205,6 +226,32 @@ pub struct PrefillGuard {
     engine: u16,
     tokens: u64,
     id: u64,
+}
+
+impl PrefillGuard {
+    /// Names the conversation of this prefill in what this replica shares
+    /// (see [`LoadBook::supersede`]).
+    pub fn set_conversation(&self, conversation: u64) {
+        if let Some(e) = self.book.engines.get(usize::from(self.engine))
+            && let Some(x) = e.fifo.lock().items.iter_mut().find(|x| x.id == self.id)
+        {
+            x.conversation = conversation;
+        }
+    }
+}
+
+/// Removes from `line` the items of `gone` conversations.
+fn drop_conversations(line: &mut SharedLine, gone: &[u64]) {
+    if gone.is_empty() || line.conversations.is_empty() {
+        return;
+    }
+    let keep: Vec<bool> = (0..line.items.len())
+        .map(|i| !line.conversations.get(i).is_some_and(|c| gone.contains(c)))
+        .collect();
+    let mut k = keep.iter();
+    line.items.retain(|_| *k.next().unwrap_or(&true));
+    let mut k = keep.iter();
+    line.conversations.retain(|_| *k.next().unwrap_or(&true));
 }
 
 impl Drop for PrefillGuard {
@@ -260,6 +307,7 @@ impl LoadBook {
                     ..Engine::default()
                 })
                 .collect(),
+            superseded: Mutex::new(VecDeque::new()),
             mean_prefill_ms_bits: AtomicU64::new(0),
             clock,
             next_id: AtomicU64::new(0),
@@ -308,6 +356,7 @@ impl LoadBook {
                 overtaken: false,
                 abandon,
                 read_end_ms,
+                conversation: 0,
             });
         }
         if let Some(m) = compute_ms {
@@ -451,23 +500,77 @@ impl LoadBook {
         let e = self.engines.get(usize::from(engine))?;
         let mut f = e.fifo.lock();
         f.settle(now_ms);
+        let queued = || f.items.iter().filter(|x| x.queued());
+        let conversations: Vec<u64> = queued().map(|x| x.conversation).collect();
         Some(ShareLine {
-            items: f
-                .items
-                .iter()
-                .filter(|x| x.queued())
+            items: queued()
                 .map(|x| (now_ms.saturating_sub(x.sent_ms), x.compute_us))
                 .collect(),
+            conversations: if conversations.iter().all(|&c| c == 0) {
+                Vec::new()
+            } else {
+                conversations
+            },
             done_age_ms: f.last_done_ms.map(|d| now_ms.saturating_sub(d)),
         })
     }
 
     /// Replaces what the other replicas have outstanding on `engine`
     /// (empty: nothing, or not shared).
-    pub fn set_shared_line(&self, engine: u16, line: SharedLine) {
+    pub fn set_shared_line(&self, engine: u16, mut line: SharedLine) {
         if let Some(e) = self.engines.get(usize::from(engine)) {
+            let now = self.clock.now_ms();
+            let gone = self.superseded_at(now);
+            drop_conversations(&mut line, &gone);
             *e.shared.lock() = line;
         }
+    }
+
+    /// The other replicas' prefills on `engine` as this replica holds
+    /// them: `(sent at ms, predicted compute µs)`.
+    pub fn shared_items(&self, engine: u16) -> Vec<(u64, u64)> {
+        self.engines
+            .get(usize::from(engine))
+            .map(|e| e.shared.lock().items.clone())
+            .unwrap_or_default()
+    }
+
+    /// A turn of `conversation` ([`crate::store::ConvKey::digest`]) is
+    /// being routed here: any prefill of that conversation another replica
+    /// shares is gone (a client sends one turn of a conversation at a time,
+    /// so such a prefill finished, or its replica died and the client
+    /// retried here), now and for [`SUPERSEDED_KEEP_MS`] of their shares.
+    /// Without this, a replica killed with prefills in flight left them in
+    /// the shared lines until its share aged out, and the retried turns
+    /// were routed around a queue P no longer had (`make demo-cluster`).
+    pub fn supersede(&self, conversation: u64) {
+        if conversation == 0 {
+            return;
+        }
+        let now = self.clock.now_ms();
+        {
+            let mut q = self.superseded.lock();
+            q.push_back((conversation, now));
+            while q.len() > SUPERSEDED_MAX {
+                q.pop_front();
+            }
+        }
+        for e in &self.engines {
+            drop_conversations(&mut e.shared.lock(), &[conversation]);
+        }
+    }
+
+    /// The conversations superseded within [`SUPERSEDED_KEEP_MS`] of
+    /// `now_ms` (older ones are forgotten).
+    fn superseded_at(&self, now_ms: u64) -> Vec<u64> {
+        let mut q = self.superseded.lock();
+        while q
+            .front()
+            .is_some_and(|&(_, at)| now_ms.saturating_sub(at) > SUPERSEDED_KEEP_MS)
+        {
+            q.pop_front();
+        }
+        q.iter().map(|&(c, _)| c).collect()
     }
 
     /// Records the KV cache usage `engine` reported (0..1; `None`: not

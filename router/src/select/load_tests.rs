@@ -55,6 +55,7 @@ fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
         SharedLine {
             items: vec![(0, 50_000)],
             last_done_ms: None,
+            conversations: Vec::new(),
         },
     );
     b.set_reported_requests(0, Some(3));
@@ -75,6 +76,7 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
         SharedLine {
             items: vec![(0, 100_000), (0, 300_000)],
             last_done_ms: None,
+            conversations: Vec::new(),
         },
     );
     assert_eq!(b.queue_ms(0, 0), Some(400.0));
@@ -232,6 +234,7 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
         SharedLine {
             items: vec![(1050, 200_000), (900, 500_000)],
             last_done_ms: None,
+            conversations: Vec::new(),
         },
     );
     // The head is theirs, computing since 900: at 1000 it has 400 left.
@@ -242,6 +245,7 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
         SharedLine {
             items: vec![(1050, 200_000)],
             last_done_ms: Some(1400),
+            conversations: Vec::new(),
         },
     );
     assert_eq!(b.remaining_ms(0, 1500), 200.0 + 200.0);
@@ -251,6 +255,7 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
         SharedLine {
             items: vec![(1000, 100_000)],
             last_done_ms: None,
+            conversations: Vec::new(),
         },
     );
     assert_eq!(b.remaining_ms(1, 1030), 70.0);
@@ -277,4 +282,50 @@ fn measured_cost_is_an_ewma() {
     b.record_prefill(0, 0, 5.0);
     b.record_prefill(0, 10, f64::NAN);
     assert_eq!(b.measured_ms_per_token(0), Some(m));
+}
+
+#[test]
+fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
+    let (b, clock) = book(2);
+    clock.advance(1000);
+    // Another replica shares prefills of conversations 7 and 8 on engine
+    // 0, and one with no conversation; then it dies and the client
+    // retries conversation 7 here.
+    let line = || SharedLine {
+        items: vec![(900, 300_000), (950, 200_000), (960, 100_000)],
+        last_done_ms: None,
+        conversations: vec![7, 8, 0],
+    };
+    b.set_shared_line(0, line());
+    assert_eq!(b.remaining_ms(0, 1000), 500.0);
+    b.supersede(7);
+    assert_eq!(
+        b.remaining_ms(0, 1000),
+        250.0,
+        "8's 200 ms and 0's 100 ms, head since 950"
+    );
+    // Its share, read again before it ages out, still lists 7: dropped.
+    clock.advance(100);
+    b.set_shared_line(0, line());
+    assert_eq!(b.shared_items(0), vec![(950, 200_000), (960, 100_000)]);
+    // Remembered for SUPERSEDED_KEEP_MS, then forgotten.
+    clock.advance(SUPERSEDED_KEEP_MS + 1);
+    b.set_shared_line(0, line());
+    assert_eq!(b.shared_items(0).len(), 3);
+    b.supersede(0);
+    assert_eq!(b.shared_items(0).len(), 3, "0 names no conversation");
+}
+
+#[test]
+fn own_lines_name_their_conversations() {
+    let (b, _) = book(1);
+    let g = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let h = b.begin_prefill(0, 10, Some(100.0), false, None);
+    assert!(
+        b.own_line(0, 0).unwrap().conversations.is_empty(),
+        "none named"
+    );
+    g.set_conversation(42);
+    assert_eq!(b.own_line(0, 0).unwrap().conversations, vec![42, 0]);
+    drop((g, h));
 }

@@ -315,11 +315,7 @@ pub fn select(
     // measured cost per token where the router has one, rather than the
     // whole turn falling back to round robin: that sent half the turns to
     // the busier P in `make demo-cluster`.
-    let Some(borrowed) = prefill
-        .iter()
-        .filter(|p| p.healthy)
-        .find_map(&own_compute)
-    else {
+    let Some(borrowed) = prefill.iter().filter(|p| p.healthy).find_map(&own_compute) else {
         return Ok(fallback(SelectReason::FallbackNoModel));
     };
     for (pos, p) in prefill.iter().enumerate().filter(|(_, p)| p.healthy) {

@@ -8,6 +8,13 @@
 //! lets every replica's `queue(P)` sum the predicted work of every
 //! replica's outstanding prefills on P, in the order they were sent.
 //!
+//! Each prefill also names its conversation (a digest of tenant and
+//! conversation id, `ShareLine::conversations`): a replica that routes a
+//! turn of a conversation drops that conversation's prefills from the
+//! lines it holds (`LoadBook::supersede`), so that the in-flight turns of
+//! a replica that died, retried by their clients on another replica, do
+//! not stay counted in P's queue until the dead replica's share ages out.
+//!
 //! Ages, not timestamps, travel: a share says how long ago each prefill was
 //! sent, as of the moment it was taken (`sent_unix_ms`, the only wall-clock
 //! value, is used to add the time the share spent in the store and to drop
@@ -89,6 +96,11 @@ pub fn merge(
         let in_store_ms = now_unix_ms.saturating_sub(s.sent_unix_ms);
         for (id, line) in &s.engines {
             let m = out.entry(id.clone()).or_default();
+            // Conversations stay parallel to the items (0: none).
+            m.conversations.resize(m.items.len(), 0);
+            m.conversations.extend(
+                (0..line.items.len()).map(|i| line.conversations.get(i).copied().unwrap_or(0)),
+            );
             m.items.extend(
                 line.items
                     .iter()
@@ -98,6 +110,11 @@ pub fn merge(
                 let at = now_ms.saturating_sub(a + in_store_ms);
                 m.last_done_ms = Some(m.last_done_ms.map_or(at, |x| x.max(at)));
             }
+        }
+    }
+    for m in out.values_mut() {
+        if m.conversations.iter().all(|&c| c == 0) {
+            m.conversations.clear();
         }
     }
     out
@@ -122,6 +139,7 @@ mod tests {
                         ShareLine {
                             items: items.clone(),
                             done_age_ms: *d,
+                            conversations: Vec::new(),
                         },
                     )
                 })
@@ -143,6 +161,22 @@ mod tests {
         assert!(e.to_string().contains("version 9"), "{e}");
         let e = decode(br#"{"v":1,"sent_unix_ms":"x","engines":{}}"#).unwrap_err();
         assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn merge_keeps_each_item_with_its_conversation() {
+        let old = share(1_000_000, &[("p0", vec![(10, 1), (20, 2)], None)]);
+        let mut named = share(1_000_000, &[("p0", vec![(30, 3)], None)]);
+        named.engines.get_mut("p0").unwrap().conversations = vec![9];
+        let m = merge(&[old.clone(), named], 10_000, 1_000_000, 1000);
+        assert_eq!(m["p0"].items.len(), 3);
+        assert_eq!(m["p0"].conversations, vec![0, 0, 9]);
+        // The wire form leaves the field out when nothing is named, and a
+        // share without it (an older replica) reads as none.
+        let text = String::from_utf8(encode(&old)).unwrap();
+        assert!(!text.contains("conversations"), "{text}");
+        let m = merge(&[decode(text.as_bytes()).unwrap()], 10_000, 1_000_000, 1000);
+        assert!(m["p0"].conversations.is_empty());
     }
 
     #[test]

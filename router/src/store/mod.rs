@@ -69,6 +69,16 @@ impl ConvKey {
     pub fn heap_bytes(&self) -> usize {
         self.tenant.len() + self.conversation_id.len()
     }
+    /// A digest that names this conversation in what router replicas
+    /// share of their prefill lines (`crate::select::share`): xxh3-64 of
+    /// tenant, NUL, conversation id; never 0 (0 names no conversation).
+    pub fn digest(&self) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(self.tenant.as_bytes());
+        h.update(&[0]);
+        h.update(self.conversation_id.as_bytes());
+        h.digest().max(1)
+    }
 }
 
 /// D's params of a finished turn and what they cover.
