@@ -240,13 +240,21 @@ impl PrefillGuard {
     }
 }
 
-/// Removes from `line` the items of `gone` conversations.
-fn drop_conversations(line: &mut SharedLine, gone: &[u64]) {
+/// Removes from `line` the items of `gone` conversations `(digest, at
+/// ms)` sent at or before `at`: a later one is the conversation's next
+/// turn, routed by another replica after this one's.
+fn drop_conversations(line: &mut SharedLine, gone: &[(u64, u64)]) {
     if gone.is_empty() || line.conversations.is_empty() {
         return;
     }
-    let keep: Vec<bool> = (0..line.items.len())
-        .map(|i| !line.conversations.get(i).is_some_and(|c| gone.contains(c)))
+    let keep: Vec<bool> = line
+        .items
+        .iter()
+        .enumerate()
+        .map(|(i, &(sent_ms, _))| {
+            let c = line.conversations.get(i).copied().unwrap_or(0);
+            !gone.iter().any(|&(g, at)| g == c && sent_ms <= at)
+        })
         .collect();
     let mut k = keep.iter();
     line.items.retain(|_| *k.next().unwrap_or(&true));
@@ -537,9 +545,11 @@ impl LoadBook {
 
     /// A turn of `conversation` ([`crate::store::ConvKey::digest`]) is
     /// being routed here: any prefill of that conversation another replica
-    /// shares is gone (a client sends one turn of a conversation at a time,
-    /// so such a prefill finished, or its replica died and the client
-    /// retried here), now and for [`SUPERSEDED_KEEP_MS`] of their shares.
+    /// shares, sent before now, is gone (a client sends one turn of a
+    /// conversation at a time, so such a prefill finished, or its replica
+    /// died and the client retried here), now and for
+    /// [`SUPERSEDED_KEEP_MS`] of their shares. One sent later is the
+    /// conversation's next turn and counts.
     /// Without this, a replica killed with prefills in flight left them in
     /// the shared lines until its share aged out, and the retried turns
     /// were routed around a queue P no longer had (`make demo-cluster`).
@@ -556,13 +566,13 @@ impl LoadBook {
             }
         }
         for e in &self.engines {
-            drop_conversations(&mut e.shared.lock(), &[conversation]);
+            drop_conversations(&mut e.shared.lock(), &[(conversation, now)]);
         }
     }
 
     /// The conversations superseded within [`SUPERSEDED_KEEP_MS`] of
     /// `now_ms` (older ones are forgotten).
-    fn superseded_at(&self, now_ms: u64) -> Vec<u64> {
+    fn superseded_at(&self, now_ms: u64) -> Vec<(u64, u64)> {
         let mut q = self.superseded.lock();
         while q
             .front()
@@ -570,7 +580,7 @@ impl LoadBook {
         {
             q.pop_front();
         }
-        q.iter().map(|&(c, _)| c).collect()
+        q.iter().copied().collect()
     }
 
     /// Records the KV cache usage `engine` reported (0..1; `None`: not

@@ -308,6 +308,17 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
     clock.advance(100);
     b.set_shared_line(0, line());
     assert_eq!(b.shared_items(0), vec![(950, 200_000), (960, 100_000)]);
+    // The conversation's next turn, routed by the other replica after
+    // this one's, counts.
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: vec![(1050, 400_000)],
+            last_done_ms: None,
+            conversations: vec![7],
+        },
+    );
+    assert_eq!(b.shared_items(0), vec![(1050, 400_000)]);
     // Remembered for SUPERSEDED_KEEP_MS, then forgotten.
     clock.advance(SUPERSEDED_KEEP_MS + 1);
     b.set_shared_line(0, line());
