@@ -391,13 +391,12 @@ impl<S: Sample> SampleModel<S> {
         }
         if let Some((start, slower, end)) = alarm {
             let sign = if slower { 1.0 } else { -1.0 };
-            let run: Vec<(Instant, f64)> = self
+            let mut run: Vec<(Instant, f64)> = self
                 .samples
                 .iter()
                 .filter(|s| s.at() >= start && s.at() <= end)
                 .map(|s| (s.at(), sign * z_of(s)))
-                .collect::<Vec<_>>();
-            let mut run = run;
+                .collect();
             run.sort_by_key(|x| x.0);
             let since = change_point(&run, k).unwrap_or(start);
             let before = self.samples.len();
