@@ -217,7 +217,7 @@ async fn route_inner(
             previous_decode: None,
         };
         if s.cfg.policy == Policy::PredictedTtft {
-            if let Some(c) = conversation {
+            if let Some(c) = conversation.filter(|_| s.store.is_shared()) {
                 // Another replica's prefill of this conversation is gone.
                 s.load.supersede(c);
             }
@@ -315,10 +315,8 @@ async fn route_inner(
         chosen.map(|c| c.compute_ms()),
         decision.attach.is_some(),
         chosen.and_then(|c| c.abandon),
+        conversation.unwrap_or(0),
     );
-    if let Some(c) = conversation {
-        _prefill_load.set_conversation(c);
-    }
     let pull_failed = || {
         if let Some((k, t)) = &taken {
             s.release_turn(k, t, crate::retention::Cause::PullFailed);

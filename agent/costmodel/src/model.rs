@@ -299,7 +299,8 @@ impl CostModel {
                 now,
                 hl_x,
                 cfg,
-                (prior_x, [1.0, PENALTY_BANDWIDTH, 1.0]),
+                prior_x,
+                [1.0, PENALTY_BANDWIDTH, 1.0],
                 cfg.transfer_noise_floor_ms,
             );
         }
@@ -314,7 +315,8 @@ impl CostModel {
                 now,
                 hl_p,
                 cfg,
-                (prior_p, [1.0, PENALTY_PREFILL_LINEAR, PENALTY_PREFILL_CTX]),
+                prior_p,
+                [1.0, PENALTY_PREFILL_LINEAR, PENALTY_PREFILL_CTX],
                 0.0,
             );
         }

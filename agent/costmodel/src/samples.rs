@@ -422,7 +422,8 @@ impl<S: Sample> SampleModel<S> {
         now: Instant,
         half_life: Duration,
         cfg: &CostModelConfig,
-        (config_prior, penalty): ([f64; K], Penalty),
+        config_prior: [f64; K],
+        penalty: Penalty,
         noise_floor: f64,
     ) {
         let changed = self.detect_change(now, cfg, noise_floor);

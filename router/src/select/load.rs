@@ -80,14 +80,12 @@ impl Item {
 /// on this replica's clock, and when one of them last finished its head.
 #[derive(Default, Clone, Debug, PartialEq)]
 pub struct SharedLine {
-    /// `(sent at ms, predicted compute µs)`, any order.
-    pub items: Vec<(u64, u64)>,
+    /// `(sent at ms, predicted compute µs, conversation)`, any order; the
+    /// conversation is its digest ([`crate::store::ConvKey::digest`]), 0
+    /// for none.
+    pub items: Vec<(u64, u64, u64)>,
     /// When the engine last finished one of their heads, ms.
     pub last_done_ms: Option<u64>,
-    /// Per item, the digest of its conversation
-    /// ([`crate::store::ConvKey::digest`]; 0: none); empty when the
-    /// replicas shared none.
-    pub conversations: Vec<u64>,
 }
 
 /// One replica's line on one engine as it shares it (the wire form of
@@ -174,7 +172,7 @@ fn known_work(e: &Engine, now_ms: u64) -> (f64, usize) {
     let (shared_head, shared_total, shared_done, shared_n) = {
         let s = e.shared.lock();
         (
-            s.items.iter().copied().min_by_key(|x| x.0),
+            s.items.iter().map(|x| (x.0, x.1)).min_by_key(|x| x.0),
             s.items.iter().map(|x| x.1).sum::<u64>(),
             s.last_done_ms,
             s.items.len(),
@@ -228,38 +226,15 @@ pub struct PrefillGuard {
     id: u64,
 }
 
-impl PrefillGuard {
-    /// Names the conversation of this prefill in what this replica shares
-    /// (see [`LoadBook::supersede`]).
-    pub fn set_conversation(&self, conversation: u64) {
-        if let Some(e) = self.book.engines.get(usize::from(self.engine))
-            && let Some(x) = e.fifo.lock().items.iter_mut().find(|x| x.id == self.id)
-        {
-            x.conversation = conversation;
-        }
-    }
-}
-
-/// Removes from `line` the items of `gone` conversations `(digest, at
+/// Removes from `line` the items of the `gone` conversations `(digest, at
 /// ms)` sent at or before `at`: a later one is the conversation's next
 /// turn, routed by another replica after this one's.
-fn drop_conversations(line: &mut SharedLine, gone: &[(u64, u64)]) {
-    if gone.is_empty() || line.conversations.is_empty() {
-        return;
-    }
-    let keep: Vec<bool> = line
-        .items
-        .iter()
-        .enumerate()
-        .map(|(i, &(sent_ms, _))| {
-            let c = line.conversations.get(i).copied().unwrap_or(0);
-            !gone.iter().any(|&(g, at)| g == c && sent_ms <= at)
-        })
-        .collect();
-    let mut k = keep.iter();
-    line.items.retain(|_| *k.next().unwrap_or(&true));
-    let mut k = keep.iter();
-    line.conversations.retain(|_| *k.next().unwrap_or(&true));
+fn drop_conversations<'a>(
+    line: &mut SharedLine,
+    gone: impl Iterator<Item = &'a (u64, u64)> + Clone,
+) {
+    line.items
+        .retain(|&(sent_ms, _, c)| c == 0 || !gone.clone().any(|&(g, at)| g == c && sent_ms <= at));
 }
 
 impl Drop for PrefillGuard {
@@ -327,7 +302,9 @@ impl LoadBook {
     /// `engine` until the guard drops; `pulled`: sent with D's params (P
     /// READs the prefix first). `abandon`: P's agent abandons that READ
     /// after [`Abandon::after_ms`] and P then computes the whole prompt
-    /// (`None`: it does not, or no prediction). An unknown index counts
+    /// (`None`: it does not, or no prediction). `conversation`: its
+    /// digest ([`crate::store::ConvKey::digest`], 0: none), shared with
+    /// the line (see [`LoadBook::supersede`]). An unknown index counts
     /// nothing.
     pub fn begin_prefill(
         self: &Arc<Self>,
@@ -336,6 +313,7 @@ impl LoadBook {
         compute_ms: Option<f64>,
         pulled: bool,
         abandon: Option<Abandon>,
+        conversation: u64,
     ) -> PrefillGuard {
         let compute_ms = compute_ms.filter(|m| m.is_finite() && *m >= 0.0);
         let compute_us = compute_ms.map_or(0, |m| (m * 1e3) as u64);
@@ -364,7 +342,7 @@ impl LoadBook {
                 overtaken: false,
                 abandon,
                 read_end_ms,
-                conversation: 0,
+                conversation,
             });
         }
         if let Some(m) = compute_ms {
@@ -527,9 +505,9 @@ impl LoadBook {
     /// (empty: nothing, or not shared).
     pub fn set_shared_line(&self, engine: u16, mut line: SharedLine) {
         if let Some(e) = self.engines.get(usize::from(engine)) {
-            let now = self.clock.now_ms();
-            let gone = self.superseded_at(now);
-            drop_conversations(&mut line, &gone);
+            let gone = self.superseded(self.clock.now_ms());
+            drop_conversations(&mut line, gone.iter());
+            drop(gone);
             *e.shared.lock() = line;
         }
     }
@@ -539,7 +517,7 @@ impl LoadBook {
     pub fn shared_items(&self, engine: u16) -> Vec<(u64, u64)> {
         self.engines
             .get(usize::from(engine))
-            .map(|e| e.shared.lock().items.clone())
+            .map(|e| e.shared.lock().items.iter().map(|x| (x.0, x.1)).collect())
             .unwrap_or_default()
     }
 
@@ -566,13 +544,13 @@ impl LoadBook {
             }
         }
         for e in &self.engines {
-            drop_conversations(&mut e.shared.lock(), &[(conversation, now)]);
+            drop_conversations(&mut e.shared.lock(), [(conversation, now)].iter());
         }
     }
 
     /// The conversations superseded within [`SUPERSEDED_KEEP_MS`] of
-    /// `now_ms` (older ones are forgotten).
-    fn superseded_at(&self, now_ms: u64) -> Vec<(u64, u64)> {
+    /// `now_ms`, locked (older ones are forgotten).
+    fn superseded(&self, now_ms: u64) -> parking_lot::MutexGuard<'_, VecDeque<(u64, u64)>> {
         let mut q = self.superseded.lock();
         while q
             .front()
@@ -580,7 +558,7 @@ impl LoadBook {
         {
             q.pop_front();
         }
-        q.iter().copied().collect()
+        q
     }
 
     /// Records the KV cache usage `engine` reported (0..1; `None`: not

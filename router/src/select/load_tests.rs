@@ -10,8 +10,8 @@ fn book(n: usize) -> (Arc<LoadBook>, Arc<ManualClock>) {
 #[test]
 fn guards_count_while_alive() {
     let (b, _) = book(3);
-    let g1 = b.begin_prefill(0, 100, None, false, None);
-    let g2 = b.begin_prefill(0, 50, None, false, None);
+    let g1 = b.begin_prefill(0, 100, None, false, None, 0);
+    let g2 = b.begin_prefill(0, 50, None, false, None, 0);
     let d = b.begin_decode(2);
     assert_eq!(b.outstanding_prefill_tokens(0), 150);
     assert_eq!(b.inflight_decode_streams(2), 1);
@@ -20,7 +20,7 @@ fn guards_count_while_alive() {
     drop((g2, d));
     assert_eq!(b.outstanding_prefill_tokens(0), 0);
     assert_eq!(b.inflight_decode_streams(2), 0);
-    let _ = b.begin_prefill(9, 5, None, false, None); // unknown index: ignored
+    let _ = b.begin_prefill(9, 5, None, false, None, 0); // unknown index: ignored
     assert_eq!(b.kv_usage(2), None, "not reported");
     b.set_kv_usage(2, Some(0.42));
     assert_eq!(b.kv_usage(2), Some(0.42));
@@ -34,8 +34,8 @@ fn guards_count_while_alive() {
 fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
     let (b, _) = book(2);
     assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
-    let g = b.begin_prefill(0, 1000, Some(100.0), false, None);
-    let _h = b.begin_prefill(0, 1000, Some(200.0), false, None); // mean 100 + 0.2 × 100 = 120
+    let g = b.begin_prefill(0, 1000, Some(100.0), false, None, 0);
+    let _h = b.begin_prefill(0, 1000, Some(200.0), false, None, 0); // mean 100 + 0.2 × 100 = 120
     assert_eq!(b.queue_ms(0, 0), Some(300.0));
     assert_eq!(b.queue_ms(1, 0), Some(0.0));
     // Two requests this replica does not know of: the mean each.
@@ -53,9 +53,8 @@ fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
     b.set_shared_line(
         0,
         SharedLine {
-            items: vec![(0, 50_000)],
+            items: vec![(0, 50_000, 0)],
             last_done_ms: None,
-            conversations: Vec::new(),
         },
     );
     b.set_reported_requests(0, Some(3));
@@ -74,9 +73,8 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
     b.set_shared_line(
         0,
         SharedLine {
-            items: vec![(0, 100_000), (0, 300_000)],
+            items: vec![(0, 100_000, 0), (0, 300_000, 0)],
             last_done_ms: None,
-            conversations: Vec::new(),
         },
     );
     assert_eq!(b.queue_ms(0, 0), Some(400.0));
@@ -84,7 +82,7 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
     b.set_reported_requests(1, Some(1));
     assert_eq!(b.queue_ms(1, 0), Some(200.0));
     // Once this replica predicts, its own mean rules.
-    let _g = b.begin_prefill(1, 1000, Some(50.0), false, None);
+    let _g = b.begin_prefill(1, 1000, Some(50.0), false, None, 0);
     assert_eq!(b.queue_ms(1, 0), Some(50.0), "the one reported is its own");
     b.set_reported_requests(1, Some(2));
     assert_eq!(b.queue_ms(1, 0), Some(100.0));
@@ -94,9 +92,9 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
 fn remaining_work_counts_down_as_the_head_computes() {
     let (b, clock) = book(1);
     clock.advance(1000);
-    let g1 = b.begin_prefill(0, 10, Some(600.0), false, None);
+    let g1 = b.begin_prefill(0, 10, Some(600.0), false, None, 0);
     clock.advance(100);
-    let g2 = b.begin_prefill(0, 10, Some(300.0), false, None);
+    let g2 = b.begin_prefill(0, 10, Some(300.0), false, None, 0);
     assert_eq!(
         b.remaining_ms(0, 1100),
         800.0,
@@ -117,7 +115,7 @@ fn remaining_work_counts_down_as_the_head_computes() {
     );
     assert_eq!(b.queue_ms(0, 1600), Some(200.0));
     // One that answers out of order leaves the head's start alone.
-    let g3 = b.begin_prefill(0, 10, Some(50.0), false, None);
+    let g3 = b.begin_prefill(0, 10, Some(50.0), false, None, 0);
     drop(g3);
     assert_eq!(b.remaining_ms(0, 1600), 200.0);
     drop(g2);
@@ -130,10 +128,10 @@ fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
     let (b, clock) = book(1);
     clock.advance(1000);
     // A pull whose READ runs long (a degraded path), then two recomputes.
-    let pull = b.begin_prefill(0, 10, Some(400.0), true, None);
+    let pull = b.begin_prefill(0, 10, Some(400.0), true, None, 0);
     clock.advance(10);
-    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
-    let r2 = b.begin_prefill(0, 10, Some(300.0), false, None);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let r2 = b.begin_prefill(0, 10, Some(300.0), false, None, 0);
     // Before anything answers, the pull is assumed at the head.
     assert_eq!(b.remaining_ms(0, 1010), 790.0);
     clock.advance(100);
@@ -153,8 +151,8 @@ fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
     drop(pull);
     assert_eq!(b.remaining_ms(0, 1210), 0.0);
     // A recompute is never overtaken: P computes in order.
-    let slow = b.begin_prefill(0, 10, Some(400.0), false, None);
-    let quick = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let slow = b.begin_prefill(0, 10, Some(400.0), false, None, 0);
+    let quick = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
     drop(quick);
     assert_eq!(b.remaining_ms(0, 1110), 400.0, "sent at 1110");
     drop(slow);
@@ -171,9 +169,9 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
         compute_ms: 900.0,
         read_ms: 20.0,
     };
-    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
     clock.advance(30); // past the READ's predicted end
-    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
     clock.advance(100);
     drop(r1);
     assert_eq!(b.remaining_ms(0, 1130), 0.0, "READing: not in P's line");
@@ -184,17 +182,17 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
     assert_eq!(b.own_line(0, 1800).unwrap().items, vec![(200, 900_000)]);
     // No longer a pull: a later prefill answered first does not take
     // it out of the line again.
-    let r2 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let r2 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
     drop(r2);
     assert_eq!(b.remaining_ms(0, 1800), 700.0);
     drop(pull);
     assert_eq!(b.remaining_ms(0, 1800), 0.0);
     // A recompute carries no deadline; a pull not overtaken may hold
     // its KV and wait in P's line: neither changes at the deadline.
-    let r = b.begin_prefill(0, 10, Some(100.0), false, Some(abandon));
+    let r = b.begin_prefill(0, 10, Some(100.0), false, Some(abandon), 0);
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
     drop(r);
-    let _p = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    let _p = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
 }
 
@@ -210,9 +208,9 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
         compute_ms: 900.0,
         read_ms: 120.0,
     };
-    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon));
+    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
     clock.advance(10);
-    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
     clock.advance(100);
     drop(r1);
     assert_eq!(b.remaining_ms(0, 1110), 50.0, "in P's line, starting now");
@@ -226,15 +224,14 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
 fn shared_lines_merge_with_the_own_one_in_sending_order() {
     let (b, clock) = book(2);
     clock.advance(1000);
-    let _own = b.begin_prefill(0, 10, Some(300.0), false, None); // sent at 1000
+    let _own = b.begin_prefill(0, 10, Some(300.0), false, None, 0); // sent at 1000
     // Another replica sent 500 ms of work at 900 (ahead of ours) and
     // 200 ms at 1050.
     b.set_shared_line(
         0,
         SharedLine {
-            items: vec![(1050, 200_000), (900, 500_000)],
+            items: vec![(1050, 200_000, 0), (900, 500_000, 0)],
             last_done_ms: None,
-            conversations: Vec::new(),
         },
     );
     // The head is theirs, computing since 900: at 1000 it has 400 left.
@@ -243,9 +240,8 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
     b.set_shared_line(
         0,
         SharedLine {
-            items: vec![(1050, 200_000)],
+            items: vec![(1050, 200_000, 0)],
             last_done_ms: Some(1400),
-            conversations: Vec::new(),
         },
     );
     assert_eq!(b.remaining_ms(0, 1500), 200.0 + 200.0);
@@ -253,9 +249,8 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
     b.set_shared_line(
         1,
         SharedLine {
-            items: vec![(1000, 100_000)],
+            items: vec![(1000, 100_000, 0)],
             last_done_ms: None,
-            conversations: Vec::new(),
         },
     );
     assert_eq!(b.remaining_ms(1, 1030), 70.0);
@@ -292,9 +287,8 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
     // 0, and one with no conversation; then it dies and the client
     // retries conversation 7 here.
     let line = || SharedLine {
-        items: vec![(900, 300_000), (950, 200_000), (960, 100_000)],
+        items: vec![(900, 300_000, 7), (950, 200_000, 8), (960, 100_000, 0)],
         last_done_ms: None,
-        conversations: vec![7, 8, 0],
     };
     b.set_shared_line(0, line());
     assert_eq!(b.remaining_ms(0, 1000), 500.0);
@@ -313,9 +307,8 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
     b.set_shared_line(
         0,
         SharedLine {
-            items: vec![(1050, 400_000)],
+            items: vec![(1050, 400_000, 7)],
             last_done_ms: None,
-            conversations: vec![7],
         },
     );
     assert_eq!(b.shared_items(0), vec![(1050, 400_000)]);
@@ -329,14 +322,14 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
 
 #[test]
 fn own_lines_name_their_conversations() {
-    let (b, _) = book(1);
-    let g = b.begin_prefill(0, 10, Some(100.0), false, None);
-    let h = b.begin_prefill(0, 10, Some(100.0), false, None);
+    let (b, _) = book(2);
+    let g = b.begin_prefill(0, 10, Some(100.0), false, None, 42);
+    let h = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let i = b.begin_prefill(1, 10, Some(100.0), false, None, 0);
     assert!(
-        b.own_line(0, 0).unwrap().conversations.is_empty(),
+        b.own_line(1, 0).unwrap().conversations.is_empty(),
         "none named"
     );
-    g.set_conversation(42);
     assert_eq!(b.own_line(0, 0).unwrap().conversations, vec![42, 0]);
-    drop((g, h));
+    drop((g, h, i));
 }

@@ -301,26 +301,32 @@ pub fn select(
     let n_p = prefill.len();
     let mut options: Vec<(Prediction, usize)> = Vec::new();
     let mut pull_paths = 0usize;
-    // P's compute model: the (P, previous D) pair's, else any pair of P's.
-    let own_compute = |p: &PrefillView| {
-        prev.and_then(|d| valid(&pair(p.index, d).model).cloned())
-            .or_else(|| {
+    // Per healthy P, once: the (P, previous D) path model, and P's compute
+    // model (that pair's, else any pair of P's).
+    let models: Vec<_> = prefill
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.healthy)
+        .map(|(pos, p)| {
+            let pull_model = prev.and_then(|d| valid(&pair(p.index, d).model).cloned());
+            let compute = pull_model.clone().or_else(|| {
                 decode
                     .iter()
                     .find_map(|d| valid(&pair(p.index, d.index).model).cloned())
-            })
-    };
+            });
+            (pos, p, pull_model, compute)
+        })
+        .collect();
     // A P whose agent's models all lapsed or lost confidence for a moment
     // borrows another healthy P's (one pool serves one model), with its own
     // measured cost per token where the router has one, rather than the
     // whole turn falling back to round robin: that sent half the turns to
     // the busier P in `make demo-cluster`.
-    let Some(borrowed) = prefill.iter().filter(|p| p.healthy).find_map(&own_compute) else {
+    let Some(borrowed) = models.iter().find_map(|m| m.3.clone()) else {
         return Ok(fallback(SelectReason::FallbackNoModel));
     };
-    for (pos, p) in prefill.iter().enumerate().filter(|(_, p)| p.healthy) {
-        let pull_model = prev.and_then(|d| valid(&pair(p.index, d).model).cloned());
-        let m = own_compute(p).unwrap_or_else(|| CostModelCoefficients {
+    for (pos, p, pull_model, compute) in models {
+        let m = compute.unwrap_or_else(|| CostModelCoefficients {
             prefill_ms_per_token: p
                 .measured_ms_per_token
                 .unwrap_or(borrowed.prefill_ms_per_token),

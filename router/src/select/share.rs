@@ -96,25 +96,20 @@ pub fn merge(
         let in_store_ms = now_unix_ms.saturating_sub(s.sent_unix_ms);
         for (id, line) in &s.engines {
             let m = out.entry(id.clone()).or_default();
-            // Conversations stay parallel to the items (0: none).
-            m.conversations.resize(m.items.len(), 0);
-            m.conversations.extend(
-                (0..line.items.len()).map(|i| line.conversations.get(i).copied().unwrap_or(0)),
-            );
-            m.items.extend(
-                line.items
-                    .iter()
-                    .map(|&(age, us)| (now_ms.saturating_sub(age + in_store_ms), us)),
-            );
+            // A share without conversations (an older replica) names none.
+            let conversation = |i: usize| line.conversations.get(i).copied().unwrap_or(0);
+            m.items
+                .extend(line.items.iter().enumerate().map(|(i, &(age, us))| {
+                    (
+                        now_ms.saturating_sub(age + in_store_ms),
+                        us,
+                        conversation(i),
+                    )
+                }));
             if let Some(a) = line.done_age_ms {
                 let at = now_ms.saturating_sub(a + in_store_ms);
                 m.last_done_ms = Some(m.last_done_ms.map_or(at, |x| x.max(at)));
             }
-        }
-    }
-    for m in out.values_mut() {
-        if m.conversations.iter().all(|&c| c == 0) {
-            m.conversations.clear();
         }
     }
     out
@@ -163,6 +158,16 @@ mod tests {
         assert!(e.to_string().contains("invalid type"), "{e}");
     }
 
+    /// `(sent at ms, compute µs)` of a merged line's items.
+    fn timed(line: &SharedLine) -> Vec<(u64, u64)> {
+        line.items.iter().map(|x| (x.0, x.1)).collect()
+    }
+
+    /// The conversation of each of a merged line's items.
+    fn conversations(line: &SharedLine) -> Vec<u64> {
+        line.items.iter().map(|x| x.2).collect()
+    }
+
     #[test]
     fn merge_keeps_each_item_with_its_conversation() {
         let old = share(1_000_000, &[("p0", vec![(10, 1), (20, 2)], None)]);
@@ -170,13 +175,13 @@ mod tests {
         named.engines.get_mut("p0").unwrap().conversations = vec![9];
         let m = merge(&[old.clone(), named], 10_000, 1_000_000, 1000);
         assert_eq!(m["p0"].items.len(), 3);
-        assert_eq!(m["p0"].conversations, vec![0, 0, 9]);
+        assert_eq!(conversations(&m["p0"]), vec![0, 0, 9]);
         // The wire form leaves the field out when nothing is named, and a
         // share without it (an older replica) reads as none.
         let text = String::from_utf8(encode(&old)).unwrap();
         assert!(!text.contains("conversations"), "{text}");
         let m = merge(&[decode(text.as_bytes()).unwrap()], 10_000, 1_000_000, 1000);
-        assert!(m["p0"].conversations.is_empty());
+        assert_eq!(conversations(&m["p0"]), vec![0, 0], "none named");
     }
 
     #[test]
@@ -194,15 +199,15 @@ mod tests {
         let m = merge(&[a, b, stale], 10_000, 1_000_000, 1000);
         let p0 = &m["p0"];
         // a: 100 ms old when taken, 10 ms in the store.
-        assert_eq!(p0.items, vec![(9_890, 5000), (9_980, 7000)]);
+        assert_eq!(timed(p0), vec![(9_890, 5000), (9_980, 7000)]);
         // The latest finish: a's, 50 ms ago.
         assert_eq!(p0.last_done_ms, Some(9_950));
-        assert_eq!(m["p1"].items, vec![(10_000, 1)]);
+        assert_eq!(timed(&m["p1"]), vec![(10_000, 1)]);
         assert!(is_stale(990_000, 1_000_000, 1000));
         // From the future: counts as now.
         let f = share(1_000_500, &[("p0", vec![(5, 1)], None)]);
         assert_eq!(
-            merge(&[f], 10_000, 1_000_000, 1000)["p0"].items,
+            timed(&merge(&[f], 10_000, 1_000_000, 1000)["p0"]),
             vec![(9_995, 1)]
         );
     }
