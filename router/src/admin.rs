@@ -110,6 +110,7 @@ pub async fn health(State(s): State<Arc<AppState>>) -> Response {
         "prefix_check_configured": s.cfg.prefix_check.as_str(),
         "store_entries": s.store_len(),
         "store": s.store.health_json(),
+        "replicas": s.replica_rank().map(|(rank, count)| json!({"sharing": count, "rank": rank})),
         "kv_recompute_threshold": s.cfg.kv_recompute_threshold,
         "warnings": warnings,
         "engines": engines,

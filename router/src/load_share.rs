@@ -10,6 +10,9 @@
 //! is forgotten after `LOAD_SHARE_MAX_AGE_PERIODS` periods (its field is
 //! deleted); when the store fails, the shared lines are cleared and
 //! `queue(P)` falls back to this replica's own line and P's polled report.
+//! Each exchange also ranks this replica among the live ones, which sets
+//! where its round-robin tie-breaks start (`AppState::rr_offset`, `/health`'s `replicas`,
+//! [`crate::select::share::tie_offset`]).
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,7 +69,10 @@ impl AppState {
             .exchange_load(replica, mine, max_age_ms.max(10_000), forget)
             .await;
         let (now, now_unix) = (self.now_ms(), unix_ms());
+        // A failed exchange keeps the last rank (the replicas still differ).
+        let got_ok = got.is_ok();
         let mut stale = Vec::new();
+        let mut live: Vec<String> = Vec::new();
         let merged: BTreeMap<String, SharedLine> = match got {
             Ok(Some(all)) => {
                 let mut shares = Vec::with_capacity(all.len());
@@ -78,7 +84,10 @@ impl AppState {
                         Ok(s) if share::is_stale(s.sent_unix_ms, now_unix, max_age_ms) => {
                             stale.push(field)
                         }
-                        Ok(s) => shares.push(s),
+                        Ok(s) => {
+                            live.push(field);
+                            shares.push(s)
+                        }
                         Err(e) => {
                             tracing::debug!(replica = %field, error = %e, "load share ignored");
                             stale.push(field);
@@ -93,6 +102,12 @@ impl AppState {
                 BTreeMap::new()
             }
         };
+        if got_ok {
+            self.set_replica_rank(share::replica_rank(
+                replica,
+                live.iter().map(String::as_str),
+            ));
+        }
         for &i in &self.prefill_idx {
             let line = self
                 .registry

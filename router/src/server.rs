@@ -221,7 +221,9 @@ async fn route_inner(
                 // Another replica's prefill of this conversation is gone.
                 s.load.supersede(c);
             }
-            let rr = s.rr_select.fetch_add(1, Ordering::Relaxed) as u64;
+            // Replicas start their round robin apart (`rr_offset`).
+            let rr =
+                (s.rr_select.fetch_add(1, Ordering::Relaxed) as u64).wrapping_add(s.rr_offset());
             let healthy = |i: u16| s.healthy[i as usize].load(Ordering::Relaxed);
             let pl = crate::select::route::place_with_load(
                 s.cfg.policy,

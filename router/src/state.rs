@@ -53,6 +53,11 @@ pub struct AppState {
     /// round robin (its fallback without models) always landed on the same
     /// one.
     pub(crate) rr_select: AtomicUsize,
+    /// This replica's rank among the replicas that share their load,
+    /// `rank << 32 | count` (`crate::select::share::replica_rank`), set by
+    /// each load exchange; 0 before one (or without sharing). Where the
+    /// selection's round robin starts ([`AppState::rr_offset`]).
+    replica_rank: AtomicU64,
     /// Outstanding prefill tokens and in-flight decode streams per engine
     /// (`policy = "predicted_ttft"`).
     pub(crate) load: Arc<LoadBook>,
@@ -162,6 +167,7 @@ impl AppState {
             rr_prefill: AtomicUsize::new(0),
             rr_decode: AtomicUsize::new(0),
             rr_select: AtomicUsize::new(0),
+            replica_rank: AtomicU64::new(0),
             load: LoadBook::new(registry.engines().len(), clock),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),
@@ -222,6 +228,28 @@ impl AppState {
     /// Stored conversations.
     pub fn store_len(&self) -> usize {
         self.store.len_or_zero()
+    }
+
+    /// Sets this replica's `(rank, count)` among the replicas that share.
+    pub(crate) fn set_replica_rank(&self, (rank, count): (u64, u64)) {
+        let packed = (rank.min(u64::from(u32::MAX)) << 32) | count.min(u64::from(u32::MAX));
+        self.replica_rank.store(packed, Ordering::Relaxed);
+    }
+
+    /// This replica's `(rank, count)` among the replicas that share their
+    /// load; `None` before the first exchange or without sharing.
+    pub fn replica_rank(&self) -> Option<(u64, u64)> {
+        let v = self.replica_rank.load(Ordering::Relaxed);
+        (v != 0).then_some((v >> 32, v & u64::from(u32::MAX)))
+    }
+
+    /// Where the selection's round robin starts over the prefill engines
+    /// ([`crate::select::share::tie_offset`] of this replica's rank; 0
+    /// alone).
+    pub(crate) fn rr_offset(&self) -> u64 {
+        self.replica_rank().map_or(0, |r| {
+            crate::select::share::tie_offset(r, self.prefill_idx.len())
+        })
     }
 
     pub(crate) fn pick(&self, idx: &[u16], rr: &AtomicUsize) -> Option<u16> {

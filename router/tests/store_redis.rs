@@ -338,6 +338,105 @@ async fn second_replica_pulls_the_turn_the_first_stored() {
     assert_eq!(stats["reads_ok"], 3);
 }
 
+/// GET `base/health` until `ok(health)`, or panic after 15 s.
+async fn wait_health(http: &reqwest::Client, base: &str, ok: impl Fn(&Value) -> bool, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let h: Value = http
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if ok(&h) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "{base}: {what}: {h}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server"]
+async fn replicas_break_ties_on_different_prefill_engines() {
+    // Two replicas that choose at the same instant, before either has
+    // shared what it sent, must not both send their first turn to p0.
+    let redis = Redis::start();
+    let (p0, p1) = (
+        start_sim_process("prefill", "p0"),
+        start_sim_process("prefill", "p1"),
+    );
+    let d = start_sim_process("decode", "d0");
+    let cfg = format!(
+        "listen = \"127.0.0.1:0\"\nstore = \"{}\"\npolicy = \"predicted_ttft\"\nstore_reconnect_min_ms = 20\n\n{}\n{}\n{}",
+        redis.url(),
+        registry_entry(&p0, "p0", "prefill"),
+        registry_entry(&p1, "p1", "prefill"),
+        registry_entry(&d, "d0", "decode"),
+    );
+    let path = redis.0.dir().join("router.toml");
+    std::fs::write(&path, cfg).unwrap();
+    let router = PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
+    let ra = start_bin(&router, &["--config", path.to_str().unwrap()]);
+    let rb = start_bin(&router, &["--config", path.to_str().unwrap()]);
+    let http = reqwest::Client::new();
+    let bases = [ra.get("http").unwrap(), rb.get("http").unwrap()].map(|a| format!("http://{a}"));
+    let mut ranks = Vec::new();
+    for base in &bases {
+        wait_health(
+            &http,
+            base,
+            |h| h["replicas"]["sharing"] == 2,
+            "never saw 2 replicas",
+        )
+        .await;
+        let h: Value = http
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ranks.push(h["replicas"]["rank"].as_u64().unwrap());
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, vec![0, 1], "each replica has its own rank");
+    // No cost model pushed: each replica's first turn falls back to its
+    // round robin, which starts at its rank.
+    for (i, base) in bases.iter().enumerate() {
+        let body = json!({"model": "sim-model", "messages": [user(&words(50, &format!("r{i}")))],
+                          "max_tokens": 4, "conversation_id": format!("conv-{i}")});
+        let (st, answer) = post(
+            &http,
+            &format!("{base}/v1/chat/completions"),
+            None,
+            &body,
+            false,
+        )
+        .await;
+        assert_eq!(st, 200, "{answer}");
+    }
+    let requests = |c: &kvloop_tests::ReadyChild| {
+        let url = format!("http://{}/sim/stats", c.get("http").unwrap());
+        let http = http.clone();
+        async move {
+            let v: Value = http.get(url).send().await.unwrap().json().await.unwrap();
+            v["requests"].as_u64().unwrap()
+        }
+    };
+    assert_eq!(
+        (requests(&p0).await, requests(&p1).await),
+        (1, 1),
+        "the replicas' first turns went to different prefill engines"
+    );
+}
+
 #[tokio::test]
 #[ignore = "needs redis-server"]
 async fn replicas_share_their_prefill_lines_and_forget_silent_ones() {

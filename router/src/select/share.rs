@@ -78,6 +78,38 @@ pub fn is_stale(sent_unix_ms: u64, now_unix_ms: u64, max_age_ms: u64) -> bool {
     now_unix_ms.saturating_sub(sent_unix_ms) > max_age_ms
 }
 
+/// Where this replica stands among the replicas that share: `(rank,
+/// count)`, its position among the live replica ids (`me` and `others`,
+/// sorted; every replica computes the same order) and their number. Used
+/// to spread the replicas' round-robin tie-breaks ([`tie_offset`]).
+pub fn replica_rank<'a>(me: &str, others: impl IntoIterator<Item = &'a str>) -> (u64, u64) {
+    let (mut rank, mut count) = (0u64, 1u64);
+    for id in others {
+        if id == me {
+            continue;
+        }
+        count += 1;
+        rank += u64::from(id < me);
+    }
+    (rank, count)
+}
+
+/// The start of this replica's round robin over `n` engines, given its
+/// `(rank, count)` ([`replica_rank`]): `rank × n / count`, so that
+/// replicas that choose at the same instant, before either has shared
+/// what it sent, break ties on different engines. Without it every
+/// replica starts at engine 0 and their first turns (and every tie until
+/// they share, one `load_share_interval_ms` later) land on the same P:
+/// measured in `kvloop demo cluster`, both replicas' first three turns
+/// queued 4 : 2 on two P. Envoy's round robin starts each worker at a
+/// random index for the same reason; a rank spreads them evenly.
+pub fn tie_offset((rank, count): (u64, u64), n: usize) -> u64 {
+    if count == 0 {
+        return 0;
+    }
+    rank.min(count - 1) * n as u64 / count
+}
+
 /// The other replicas' lines per engine id, on this replica's clock:
 /// `now_ms` (this replica's [`crate::clock::Clock`]) and `now_unix_ms` (wall
 /// clock) are the same instant. Stale shares are left out; a share from
@@ -210,5 +242,23 @@ mod tests {
             timed(&merge(&[f], 10_000, 1_000_000, 1000)["p0"]),
             vec![(9_995, 1)]
         );
+    }
+
+    #[test]
+    fn replicas_spread_their_round_robin_starts() {
+        let ids = ["r-b", "r-a", "r-c"];
+        let ranks: Vec<(u64, u64)> = ids
+            .iter()
+            .map(|me| replica_rank(me, ids.iter().copied()))
+            .collect();
+        assert_eq!(ranks, vec![(1, 3), (0, 3), (2, 3)]);
+        // Two replicas over two P start on different engines; over four P,
+        // two apart.
+        assert_eq!((tie_offset((0, 2), 2), tie_offset((1, 2), 2)), (0, 1));
+        assert_eq!((tie_offset((0, 2), 4), tie_offset((1, 2), 4)), (0, 2));
+        // Alone (no share read yet): no offset.
+        assert_eq!(replica_rank("r-a", []), (0, 1));
+        assert_eq!(tie_offset((0, 1), 3), 0);
+        assert_eq!(tie_offset((5, 0), 3), 0);
     }
 }

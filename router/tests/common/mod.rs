@@ -308,20 +308,23 @@ pub fn start_sim_process(role: &str, id: &str) -> kvloop_tests::ReadyChild {
     )
 }
 
+/// One `[[engines]]` entry of a router config for the engine-sim `c`
+/// (its `READY` lines `http`, `side_channel`), as `id` in `role`.
+pub fn registry_entry(c: &kvloop_tests::ReadyChild, id: &str, role: &str) -> String {
+    let side = c.get("side_channel").unwrap();
+    let (host, port) = side.rsplit_once(':').unwrap();
+    format!(
+        "[[engines]]\nengine_id = \"{id}\"\nrole = \"{role}\"\nhttp_url = \"http://{}\"\nside_channel_host = \"{host}\"\nside_channel_port = {port}\n",
+        c.get("http").unwrap()
+    )
+}
+
 /// The `[[engines]]` registry of a router config naming P `p0` and D `d0`
 /// from their `READY` lines (`http`, `side_channel`).
 pub fn p0_d0_registry(p: &kvloop_tests::ReadyChild, d: &kvloop_tests::ReadyChild) -> String {
-    let entry = |c: &kvloop_tests::ReadyChild, id: &str, role: &str| {
-        let side = c.get("side_channel").unwrap();
-        let (host, port) = side.rsplit_once(':').unwrap();
-        format!(
-            "[[engines]]\nengine_id = \"{id}\"\nrole = \"{role}\"\nhttp_url = \"http://{}\"\nside_channel_host = \"{host}\"\nside_channel_port = {port}\n",
-            c.get("http").unwrap()
-        )
-    };
     format!(
         "{}\n{}",
-        entry(p, "p0", "prefill"),
-        entry(d, "d0", "decode")
+        registry_entry(p, "p0", "prefill"),
+        registry_entry(d, "d0", "decode")
     )
 }
