@@ -254,48 +254,65 @@ async fn router_keeps_serving_through_a_redis_outage_and_recovers() {
 
 // ---- two router processes sharing one Redis ----
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server"]
-async fn second_replica_pulls_the_turn_the_first_stored() {
-    let redis = Redis::start();
-    let p = start_sim_process("prefill", "p0");
-    let d = start_sim_process("decode", "d0");
+/// Two `kvloop-router` processes on `redis` with the config lines `extra`
+/// and the `[[engines]]` `registry`, their store connected: the
+/// processes (stopped on drop) and their base URLs.
+async fn two_routers(
+    redis: &Redis,
+    extra: &str,
+    registry: &str,
+) -> (
+    kvloop_tests::ReadyChild,
+    kvloop_tests::ReadyChild,
+    [String; 2],
+) {
     let cfg = format!(
-        "listen = \"127.0.0.1:0\"\nstore = \"{}\"\nstore_reconnect_min_ms = 20\n\n{}",
+        "listen = \"127.0.0.1:0\"\nstore = \"{}\"\nstore_reconnect_min_ms = 20\n{extra}\n{registry}",
         redis.url(),
-        p0_d0_registry(&p, &d)
     );
     let path = redis.0.dir().join("router.toml");
     std::fs::write(&path, cfg).unwrap();
     let router = PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
     let ra = start_bin(&router, &["--config", path.to_str().unwrap()]);
     let rb = start_bin(&router, &["--config", path.to_str().unwrap()]);
-    let (a, b) = (
-        format!("http://{}", ra.get("http").unwrap()),
-        format!("http://{}", rb.get("http").unwrap()),
-    );
+    let bases = [&ra, &rb].map(|r| format!("http://{}", r.get("http").unwrap()));
     let http = reqwest::Client::new();
-    for base in [&a, &b] {
-        let t0 = Instant::now();
-        loop {
-            let h: Value = http
-                .get(format!("{base}/health"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if h["store"]["status"] == "ok" {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(15),
-                "{base}: store never ok: {h}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    for base in &bases {
+        wait_health(
+            &http,
+            base,
+            |h| h["store"]["status"] == "ok",
+            "store never ok",
+        )
+        .await;
     }
+    (ra, rb, bases)
+}
+
+/// GET `base/health` until `ok(health)`, or panic after 15 s.
+async fn wait_health(http: &reqwest::Client, base: &str, ok: impl Fn(&Value) -> bool, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let h = get_json(http, &format!("{base}/health")).await;
+        if ok(&h) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "{base}: {what}: {h}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server"]
+async fn second_replica_pulls_the_turn_the_first_stored() {
+    let redis = Redis::start();
+    let p = start_sim_process("prefill", "p0");
+    let d = start_sim_process("decode", "d0");
+    let (_ra, _rb, [a, b]) = two_routers(&redis, "", &p0_d0_registry(&p, &d)).await;
+    let http = reqwest::Client::new();
     let mut messages = vec![user(&words(200, "w"))];
     for (turn, base) in [&a, &b, &a, &b].into_iter().enumerate() {
         let body = json!({"model": "sim-model", "messages": messages, "stream": turn % 2 == 1,
@@ -327,38 +344,12 @@ async fn second_replica_pulls_the_turn_the_first_stored() {
         1.0,
         "turn 3 on A pulls what B stored"
     );
-    let stats: Value = http
-        .get(format!("http://{}/sim/stats", p.get("http").unwrap()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = get_json(
+        &http,
+        &format!("http://{}/sim/stats", p.get("http").unwrap()),
+    )
+    .await;
     assert_eq!(stats["reads_ok"], 3);
-}
-
-/// GET `base/health` until `ok(health)`, or panic after 15 s.
-async fn wait_health(http: &reqwest::Client, base: &str, ok: impl Fn(&Value) -> bool, what: &str) {
-    let t0 = Instant::now();
-    loop {
-        let h: Value = http
-            .get(format!("{base}/health"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if ok(&h) {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(15),
-            "{base}: {what}: {h}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -372,20 +363,15 @@ async fn replicas_break_ties_on_different_prefill_engines() {
         start_sim_process("prefill", "p1"),
     );
     let d = start_sim_process("decode", "d0");
-    let cfg = format!(
-        "listen = \"127.0.0.1:0\"\nstore = \"{}\"\npolicy = \"predicted_ttft\"\nstore_reconnect_min_ms = 20\n\n{}\n{}\n{}",
-        redis.url(),
-        registry_entry(&p0, "p0", "prefill"),
-        registry_entry(&p1, "p1", "prefill"),
-        registry_entry(&d, "d0", "decode"),
-    );
-    let path = redis.0.dir().join("router.toml");
-    std::fs::write(&path, cfg).unwrap();
-    let router = PathBuf::from(env!("CARGO_BIN_EXE_kvloop-router"));
-    let ra = start_bin(&router, &["--config", path.to_str().unwrap()]);
-    let rb = start_bin(&router, &["--config", path.to_str().unwrap()]);
+    let registry = [
+        (&p0, "p0", "prefill"),
+        (&p1, "p1", "prefill"),
+        (&d, "d0", "decode"),
+    ]
+    .map(|(c, id, role)| registry_entry(c, id, role))
+    .join("\n");
+    let (_ra, _rb, bases) = two_routers(&redis, "policy = \"predicted_ttft\"", &registry).await;
     let http = reqwest::Client::new();
-    let bases = [ra.get("http").unwrap(), rb.get("http").unwrap()].map(|a| format!("http://{a}"));
     let mut ranks = Vec::new();
     for base in &bases {
         wait_health(
@@ -395,14 +381,7 @@ async fn replicas_break_ties_on_different_prefill_engines() {
             "never saw 2 replicas",
         )
         .await;
-        let h: Value = http
-            .get(format!("{base}/health"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let h = get_json(&http, &format!("{base}/health")).await;
         ranks.push(h["replicas"]["rank"].as_u64().unwrap());
     }
     ranks.sort_unstable();
@@ -422,16 +401,17 @@ async fn replicas_break_ties_on_different_prefill_engines() {
         .await;
         assert_eq!(st, 200, "{answer}");
     }
-    let requests = |c: &kvloop_tests::ReadyChild| {
-        let url = format!("http://{}/sim/stats", c.get("http").unwrap());
-        let http = http.clone();
-        async move {
-            let v: Value = http.get(url).send().await.unwrap().json().await.unwrap();
-            v["requests"].as_u64().unwrap()
-        }
-    };
+    let mut requests = Vec::new();
+    for c in [&p0, &p1] {
+        let stats = get_json(
+            &http,
+            &format!("http://{}/sim/stats", c.get("http").unwrap()),
+        )
+        .await;
+        requests.push(stats["requests"].as_u64().unwrap());
+    }
     assert_eq!(
-        (requests(&p0).await, requests(&p1).await),
+        (requests[0], requests[1]),
         (1, 1),
         "the replicas' first turns went to different prefill engines"
     );

@@ -218,6 +218,11 @@ pub async fn post(
     }
 }
 
+/// `GET url` as JSON (panics on a transport error or a body that is not JSON).
+pub async fn get_json(http: &reqwest::Client, url: &str) -> Value {
+    http.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 pub async fn metric(http: &reqwest::Client, base: &str, series: &str) -> f64 {
     let text = http
         .get(format!("{base}/metrics"))
