@@ -57,8 +57,11 @@ pub struct AgentConfig {
     pub read_timeout_ms: u64,
     /// Abandon a managed READ still in flight once recomputing its blocks
     /// would have finished (the reading engine's prefill model; never
-    /// before 4x the path's prediction): the engine recomputes, as after a
-    /// timeout (`crate::overdue::abandon_after_ms`; counted as
+    /// before 4x the path's prediction), or earlier, once it is overdue and
+    /// its completed operations show the rest would take longer than
+    /// recomputing: the engine recomputes, as after a timeout
+    /// (`crate::overdue::abandon_after_ms`,
+    /// `kvloop_router_api::abandon::abandon_on_progress`; counted as
     /// `kvloop_agent_reads{result="abandoned"}`) [true].
     pub abandon_slow_reads: bool,
     /// Threshold push period, ms [1000]. A refit that moves a pair's threshold

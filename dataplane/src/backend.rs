@@ -16,6 +16,31 @@ pub use kvloop_kv_types::sidechannel::{BackendMetadata, RailEndpoint, RemoteRegi
 pub struct Completion {
     tx: Option<oneshot::Sender<Result<()>>>,
     release: Option<Release>,
+    progress: Option<std::sync::Arc<ReadProgress>>,
+}
+
+/// How far a READ in flight has come: bytes of its operations that
+/// completed so far, counted by backends that complete a READ in several
+/// operations (libfabric: one per group of descriptors); NIXL reports a
+/// transfer only whole, so its count stays 0 until the end. Shared between
+/// the backend and whoever watches the READ (the agent's progress-aware
+/// abandon, `kvloop_router_api::abandon::abandon_on_progress`).
+#[derive(Debug, Default)]
+pub struct ReadProgress {
+    done_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl ReadProgress {
+    /// Bytes completed so far.
+    pub fn done_bytes(&self) -> u64 {
+        self.done_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts `bytes` more as completed.
+    pub fn add(&self, bytes: u64) {
+        self.done_bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Completion {
@@ -26,6 +51,7 @@ impl Completion {
             Self {
                 tx: Some(tx),
                 release: None,
+                progress: None,
             },
             rx,
         )
@@ -37,6 +63,21 @@ impl Completion {
         Self {
             tx: Some(tx),
             release: Some(release),
+            progress: None,
+        }
+    }
+
+    /// This completion, counting its READ's completed bytes into `progress`.
+    pub fn with_progress(mut self, progress: Option<std::sync::Arc<ReadProgress>>) -> Self {
+        self.progress = progress;
+        self
+    }
+
+    /// Counts `bytes` of the READ as completed (backends that complete a
+    /// READ in several operations call it per operation or run of them).
+    pub fn progressed(&self, bytes: u64) {
+        if let Some(p) = &self.progress {
+            p.add(bytes);
         }
     }
 

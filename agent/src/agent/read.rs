@@ -21,6 +21,64 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// What [`cut_on_progress`] watches: the READ's progress and size, and
+/// the predictions of the READ and of recomputing its blocks, ms.
+struct ProgressWatch {
+    progress: Arc<kvloop_dataplane::backend::ReadProgress>,
+    bytes: u64,
+    predicted_ms: Option<f64>,
+    recompute_ms: Option<f64>,
+}
+
+/// A READ cut on its progress.
+struct Cut {
+    after_ms: f64,
+    done_fraction: f64,
+}
+
+/// Runs `read` to its end, or cuts it (drops it: the dataplane cancels
+/// it, its blocks quarantined until the backend completes it) once it is
+/// overdue and, at its rate so far, the rest would outlast recomputing
+/// ([`kvloop_router_api::abandon::abandon_on_progress`]), checked every
+/// quarter of its first overdue mark (at least 10 ms) from that mark on.
+/// Bounded by the READ's own timeout (the ski-rental deadline). Without a
+/// watch, `read` as it is.
+async fn cut_on_progress<F: std::future::Future>(
+    read: F,
+    watch: Option<ProgressWatch>,
+) -> Result<F::Output, Cut> {
+    let Some(w) = watch else {
+        return Ok(read.await);
+    };
+    let Some(first_ms) = crate::overdue::first_overdue_ms(w.predicted_ms) else {
+        return Ok(read.await);
+    };
+    tokio::pin!(read);
+    let start = tokio::time::Instant::now();
+    let step_ms = (first_ms / 4.0).max(10.0);
+    let mut at_ms = first_ms;
+    loop {
+        let at = start + Duration::from_secs_f64(at_ms / 1e3);
+        tokio::select! {
+            r = &mut read => return Ok(r),
+            _ = tokio::time::sleep_until(at) => {
+                let elapsed_ms = start.elapsed().as_secs_f64() * 1e3;
+                let f = w.progress.done_bytes() as f64 / w.bytes.max(1) as f64;
+                tracing::debug!(elapsed_ms, done_fraction = f, "overdue READ's progress");
+                if kvloop_router_api::abandon::abandon_on_progress(
+                    w.predicted_ms,
+                    w.recompute_ms,
+                    elapsed_ms,
+                    f,
+                ) {
+                    return Err(Cut { after_ms: elapsed_ms, done_fraction: f });
+                }
+                at_ms += step_ms;
+            }
+        }
+    }
+}
+
 impl Agent {
     /// Connects a hosted engine to a remote engine.
     ///
@@ -78,12 +136,12 @@ impl Agent {
         let n_blocks = blocks.len();
         let (bytes, descriptors) = read_size(e.layout(), n_blocks);
         let limit_ms = timeout_ms.unwrap_or(self.cfg.read_timeout_ms);
-        let (predicted_ms, abandon_ms) = match &peer {
+        let (predicted_ms, abandon_ms, recompute_ms) = match &peer {
             Some(p) => {
                 let tokens = n_blocks as u64 * u64::from(e.layout().block_size_tokens);
                 self.predict_managed_read(engine_id, p, bytes, descriptors, tokens)
             }
-            None => (None, None),
+            None => (None, None, None),
         };
         let abandon_ms = abandon_ms.filter(|a| *a < limit_ms);
         let req = ReadRequest {
@@ -93,16 +151,44 @@ impl Agent {
             notify,
             timeout_ms: Some(abandon_ms.unwrap_or(limit_ms)),
         };
+        let progress = Arc::new(kvloop_dataplane::backend::ReadProgress::default());
+        let watch = abandon_ms.map(|_| ProgressWatch {
+            progress: progress.clone(),
+            bytes,
+            predicted_ms,
+            recompute_ms,
+        });
         let r = self
             .watch_read(
                 peer.as_deref(),
                 (bytes, descriptors),
                 predicted_ms,
                 SampleSource::Userspace,
-                e.read(&req),
+                cut_on_progress(e.read_with_progress(&req, Some(progress)), watch),
             )
             .await;
         drop(in_flight);
+        // Abandoned on its progress: reported as abandoned at its deadline.
+        let (r, abandon_ms, early) = match r {
+            Ok(r) => (r, abandon_ms, false),
+            Err(cut) => {
+                tracing::info!(
+                    engine = engine_id,
+                    peer = peer_engine_id,
+                    blocks = n_blocks,
+                    after_ms = cut.after_ms,
+                    done_percent = cut.done_fraction * 100.0,
+                    "READ abandoned early: at its rate so far, the rest would take longer than recomputing its blocks"
+                );
+                let after_ms = cut.after_ms.ceil() as u64;
+                let timeout = kvloop_dataplane::DataplaneError::Timeout {
+                    xfer_id: 0,
+                    engine_id: peer_engine_id.to_string(),
+                    timeout_ms: after_ms,
+                };
+                (Err(timeout), Some(after_ms), true)
+            }
+        };
         match r {
             Ok(o) => {
                 self.metrics
@@ -128,13 +214,15 @@ impl Agent {
                     .filter(|_| matches!(err, kvloop_dataplane::DataplaneError::Timeout { .. }));
                 let (result, outcome, err) = match abandoned {
                     Some(ms) => {
-                        tracing::info!(
-                            engine = engine_id,
-                            peer = peer_engine_id,
-                            blocks = n_blocks,
-                            after_ms = ms,
-                            "READ abandoned: recomputing its blocks would have finished by now"
-                        );
+                        if !early {
+                            tracing::info!(
+                                engine = engine_id,
+                                peer = peer_engine_id,
+                                blocks = n_blocks,
+                                after_ms = ms,
+                                "READ abandoned: recomputing its blocks would have finished by now"
+                            );
+                        }
                         let err = ApiError::new(
                             ErrorKind::Timeout,
                             format!(
@@ -294,18 +382,18 @@ impl Agent {
         bytes: u64,
         descriptors: u64,
         tokens: u64,
-    ) -> (Option<f64>, Option<u64>) {
+    ) -> (Option<f64>, Option<u64>, Option<f64>) {
         let model = self.model.lock();
         let predicted = model
             .transfer_coefficients(peer, CmDirection::Inbound)
             .map(|c| c.predict_ms(bytes, descriptors));
+        let recompute = model
+            .prefill_coefficients(engine_id)
+            .map(|c| c.recompute_ms(tokens as f64));
         let abandon = self.cfg.abandon_slow_reads.then(|| {
-            let recompute = model
-                .prefill_coefficients(engine_id)
-                .map(|c| c.recompute_ms(tokens as f64));
             crate::overdue::abandon_after_ms(predicted, recompute).map(|ms| ms.ceil() as u64)
         });
-        (predicted, abandon.flatten())
+        (predicted, abandon.flatten(), recompute)
     }
 
     /// The inbound path model's prediction for a READ of `bytes` in

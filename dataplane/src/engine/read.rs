@@ -35,6 +35,22 @@ impl TransferEngine {
     /// [`DataplaneError::Config`] (empty `blocks`), [`DataplaneError::Timeout`],
     /// [`DataplaneError::Backend`], [`DataplaneError::PeerGone`].
     pub async fn read(&self, req: &ReadRequest) -> Result<ReadOutcome> {
+        self.read_with_progress(req, None).await
+    }
+
+    /// [`TransferEngine::read`], counting the bytes of its operations that
+    /// complete into `progress` while it runs (libfabric backends; NIXL
+    /// reports a transfer only whole). Dropping this future cancels the
+    /// READ as its timeout does (its destination blocks stay quarantined
+    /// until the backend completes it).
+    ///
+    /// # Errors
+    /// As [`TransferEngine::read`].
+    pub async fn read_with_progress(
+        &self,
+        req: &ReadRequest,
+        progress: Option<std::sync::Arc<crate::backend::ReadProgress>>,
+    ) -> Result<ReadOutcome> {
         let inner = &self.inner;
         let t = self.target(req)?;
         let local_layout = inner.cfg.layout;
@@ -73,7 +89,7 @@ impl TransferEngine {
         }
         let locals: Vec<u64> = req.blocks.iter().map(|b| b.local).collect();
         let result = match self
-            .post_and_wait(t.slot, &segs, xfer_id, locals, timeout_ms)
+            .post_and_wait(t.slot, &segs, (xfer_id, progress), locals, timeout_ms)
             .await
         {
             Some(r) => r,
@@ -148,16 +164,18 @@ impl TransferEngine {
         &self,
         slot: PeerSlot,
         segs: &[Segment],
-        xfer_id: u64,
+        (xfer_id, progress): (u64, Option<std::sync::Arc<crate::backend::ReadProgress>>),
         locals: Vec<u64>,
         timeout_ms: u64,
     ) -> Option<Result<()>> {
         let inner = &self.inner;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (mut pending, release) = PendingRead::new(&inner.quarantine, xfer_id, locals, rx);
-        inner
-            .backend
-            .post_read(slot, segs, Completion::with_release(tx, release));
+        inner.backend.post_read(
+            slot,
+            segs,
+            Completion::with_release(tx, release).with_progress(progress),
+        );
         let rx = pending
             .rx
             .as_mut()

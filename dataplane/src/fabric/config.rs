@@ -55,6 +55,17 @@ pub struct FabricConfig {
     /// single-IOV READs complete in about 3 µs each), none otherwise.
     #[serde(default)]
     pub max_iovs_per_read: Option<usize>,
+    /// Cap on bytes per `fi_readmsg` below the provider's `max_msg_size`;
+    /// 0 for none. A READ's operations complete one by one, and that is
+    /// how its progress shows while it runs
+    /// ([`crate::backend::ReadProgress`]): over a path that just slowed,
+    /// the agent abandons a READ once its first operations show the rest
+    /// would outlast recomputing (`kvloop_router_api::abandon::abandon_on_progress`),
+    /// which needs operations well below a READ's size. Default 1 MiB (a
+    /// 27 MB turn is 27 operations; at 100 Mbit/s the first completes in
+    /// about 85 ms).
+    #[serde(default = "default_max_op_bytes")]
+    pub max_op_bytes: u64,
     /// EFA only: `FI_OPT_EFA_RNR_RETRY` set before `fi_enable`; negative
     /// keeps the provider's default. Default 7 (the EFA hardware maximum,
     /// which lets the device retry receiver-not-ready instead of failing).
@@ -88,6 +99,9 @@ fn default_caller_spin_us() -> u64 {
 fn default_idle_sleep_us() -> u64 {
     50
 }
+fn default_max_op_bytes() -> u64 {
+    1 << 20
+}
 fn default_efa_rnr_retry() -> i32 {
     7
 }
@@ -108,6 +122,7 @@ impl Default for FabricConfig {
             idle_sleep_max_us: default_idle_sleep_max_us(),
             efa_rnr_retry: default_efa_rnr_retry(),
             max_iovs_per_read: None,
+            max_op_bytes: default_max_op_bytes(),
             busy_poll: false,
         }
     }

@@ -153,7 +153,7 @@ impl Shared {
         }
         // Outside the locks: resolving a READ runs its completion.
         for (read_id, unposted, err) in failed {
-            self.finish_ops(read_id, unposted, Some(err));
+            self.finish_ops(read_id, (unposted, 0), Some(err));
         }
     }
 

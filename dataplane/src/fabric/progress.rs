@@ -25,7 +25,7 @@ impl Shared {
     pub(crate) fn reap(&self) -> usize {
         // Consecutive completions of one READ are accounted together (one
         // `pending` lock per run, not per operation); an error flushes.
-        let mut run: Option<(u64, usize)> = None;
+        let mut run: Option<(u64, usize, u64)> = None;
         let mut n = 0;
         for rail in &self.rails {
             n += rail.ep.poll_cq_with(|(ctx, err)| {
@@ -41,22 +41,25 @@ impl Shared {
                     rail.bytes.fetch_add(op.bytes, Ordering::Relaxed);
                 }
                 match run {
-                    Some((id, ref mut ops)) if id == op.read_id && err.is_none() => *ops += 1,
+                    Some((id, ref mut ops, ref mut bytes)) if id == op.read_id && err.is_none() => {
+                        *ops += 1;
+                        *bytes += op.bytes;
+                    }
                     _ => {
-                        if let Some((id, ops)) = run.take() {
-                            self.finish_ops(id, ops, None);
+                        if let Some((id, ops, bytes)) = run.take() {
+                            self.finish_ops(id, (ops, bytes), None);
                         }
                         if err.is_some() {
-                            self.finish_ops(op.read_id, 1, err);
+                            self.finish_ops(op.read_id, (1, 0), err);
                         } else {
-                            run = Some((op.read_id, 1));
+                            run = Some((op.read_id, 1, op.bytes));
                         }
                     }
                 }
             });
         }
-        if let Some((id, ops)) = run {
-            self.finish_ops(id, ops, None);
+        if let Some((id, ops, bytes)) = run {
+            self.finish_ops(id, (ops, bytes), None);
         }
         self.pump();
         n

@@ -143,15 +143,24 @@ impl Shared {
     }
 
     /// Accounts `ops` operations of READ `read_id` as finished (completed, or
-    /// never posted), keeping the first error; resolves the READ when none
-    /// remain.
-    pub(crate) fn finish_ops(&self, read_id: u64, ops: usize, err: Option<DataplaneError>) {
+    /// never posted), `bytes` of them completed without error (counted into
+    /// the READ's [`crate::backend::ReadProgress`]), keeping the first
+    /// error; resolves the READ when none remain.
+    pub(crate) fn finish_ops(
+        &self,
+        read_id: u64,
+        (ops, bytes): (usize, u64),
+        err: Option<DataplaneError>,
+    ) {
         let mut pending = self.pending.lock();
         let Some(p) = pending.get_mut(&read_id) else {
             return;
         };
         if p.error.is_none() {
             p.error = err;
+        }
+        if let Some(done) = &p.done {
+            done.progressed(bytes);
         }
         p.remaining -= ops;
         if p.remaining == 0 {

@@ -108,6 +108,9 @@ impl Endpoint {
         if let Some(cap) = cap {
             e.limits.iovs_per_read = e.limits.iovs_per_read.min(cap.max(1));
         }
+        if cfg.max_op_bytes > 0 {
+            e.limits.max_msg_bytes = e.limits.max_msg_bytes.min(cfg.max_op_bytes);
+        }
         let name = e.name();
         e.open_objects(&name)?;
         e.bind_and_enable(cfg, &name)?;
