@@ -74,6 +74,21 @@ pub fn abandon_on_progress(
     elapsed_ms * (1.0 - done_fraction) / done_fraction > r
 }
 
+/// When a router foresees P's agent giving up a pulled READ that turns
+/// out slow, ms after the READ began: at its first overdue mark
+/// ([`first_overdue_ms`]), the earliest [`abandon_on_progress`] cuts it,
+/// and where a READ over a path that just slowed is cut when its
+/// operations complete in steps (libfabric). From then on the router
+/// counts P busy recomputing the whole prompt. Where the agent waits
+/// longer (no progress to judge by: NIXL, or agents before the progress
+/// rule), P looks busy a little early, which only steers turns away from
+/// it; a READ merely late ends, P answers, and the count goes. `None`
+/// as [`abandon_after_ms`] (no cut without both predictions).
+pub fn foreseen_abandon_ms(predicted_ms: Option<f64>, recompute_ms: Option<f64>) -> Option<f64> {
+    abandon_after_ms(predicted_ms, recompute_ms)?;
+    first_overdue_ms(predicted_ms)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,5 +133,13 @@ mod tests {
         assert!(!abandon_on_progress(Some(20.0), Some(900.0), 500.0, 1.0));
         assert!(!abandon_on_progress(None, Some(900.0), 500.0, 0.1));
         assert!(!abandon_on_progress(Some(20.0), None, 500.0, 0.1));
+    }
+
+    #[test]
+    fn routers_foresee_the_cut_at_the_first_overdue_mark() {
+        assert_eq!(foreseen_abandon_ms(Some(20.0), Some(900.0)), Some(120.0));
+        assert_eq!(foreseen_abandon_ms(Some(100.0), Some(50.0)), Some(400.0));
+        assert_eq!(foreseen_abandon_ms(None, Some(900.0)), None);
+        assert_eq!(foreseen_abandon_ms(Some(20.0), None), None);
     }
 }

@@ -105,7 +105,7 @@ pub struct ShareLine {
 }
 
 /// A pulled prefill's READ as P's agent will abandon it
-/// (`kvloop_router_api::abandon::abandon_after_ms`; the selection's
+/// (`kvloop_router_api::abandon::foreseen_abandon_ms`; the selection's
 /// [`super::Prediction::abandon`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Abandon {

@@ -28,9 +28,10 @@
 //!     pull's prefill known to be still READing (overtaken) re-enters P's
 //!     line as a whole-prompt recompute if still outstanding at its
 //!     deadline
-//!     (`kvloop_router_api::abandon::abandon_after_ms` of the two, as the
-//!     agent computes it: [`load::Abandon`]), so that P looks as busy as it
-//!     then is;
+//!     (`kvloop_router_api::abandon::foreseen_abandon_ms`: the first
+//!     overdue mark, where the agent cuts a READ whose progress shows the
+//!     path slowed: [`load::Abandon`]), so that P looks as busy as it then
+//!     is;
 //!   - `suffix` = the `s` new tokens after the `r` reused ones:
 //!     `s · (a + b · (r + s/2))`;
 //!
@@ -71,7 +72,7 @@ pub mod share;
 use crate::thresholds::Effective;
 
 use kvloop_router_api::CostModelCoefficients;
-use kvloop_router_api::abandon::abandon_after_ms;
+use kvloop_router_api::abandon::foreseen_abandon_ms;
 
 pub use crate::config::Policy;
 
@@ -176,8 +177,9 @@ pub struct Prediction {
     pub reuse_ms: f64,
     /// Computing the new suffix, ms.
     pub suffix_ms: f64,
-    /// A pull whose READ P's agent abandons once recomputing would have
-    /// finished (the model's `abandons_slow_reads`): when, and P's compute
+    /// A pull whose READ P's agent abandons when it turns out slow (the
+    /// model's `abandons_slow_reads`): when the router foresees the cut
+    /// (`kvloop_router_api::abandon::foreseen_abandon_ms`), and P's compute
     /// of the whole prompt after it ([`load::LoadBook::begin_prefill`]).
     pub abandon: Option<load::Abandon>,
 }
@@ -366,7 +368,7 @@ pub fn select(
             let read_ms = x.xfer_ms(rf);
             let abandon = x
                 .abandons_slow_reads
-                .then(|| abandon_after_ms(Some(read_ms), Some(recompute_ms)))
+                .then(|| foreseen_abandon_ms(Some(read_ms), Some(recompute_ms)))
                 .flatten()
                 .map(|after_ms| load::Abandon {
                     after_ms,

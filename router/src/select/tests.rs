@@ -407,9 +407,11 @@ fn a_pull_carries_the_deadline_at_which_p_agent_abandons_it() {
     .unwrap();
     assert!(s.pull);
     let a = s.chosen.unwrap().abandon.expect("the agent abandons");
-    // Abandoned once recomputing would have finished (600 ms, past the
-    // first overdue mark of 111 ms); then P computes the whole prompt.
-    assert!(close(a.after_ms, 600.0), "{a:?}");
+    // Foreseen abandoned at its first overdue mark (11 + 100 ms: where
+    // the agent cuts a READ whose progress shows the path slowed, before
+    // recomputing would have finished at 600 ms); then P computes the
+    // whole prompt.
+    assert!(close(a.after_ms, 111.0), "{a:?}");
     assert!(close(a.compute_ms, 600.0 + 11.05), "{a:?}");
     // The recompute option has none; nor has a pull from an agent that
     // does not abandon.
