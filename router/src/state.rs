@@ -245,7 +245,9 @@ impl AppState {
 
     /// Where the selection's round robin starts over the prefill engines
     /// ([`crate::select::share::tie_offset`] of this replica's rank; 0
-    /// alone).
+    /// alone). The same counter breaks the decode engines' ties, so they
+    /// start apart too where there are as many of them as prefill
+    /// engines or more.
     pub(crate) fn rr_offset(&self) -> u64 {
         self.replica_rank().map_or(0, |r| {
             crate::select::share::tie_offset(r, self.prefill_idx.len())

@@ -151,20 +151,22 @@ impl Agent {
             notify,
             timeout_ms: Some(abandon_ms.unwrap_or(limit_ms)),
         };
-        let progress = Arc::new(kvloop_dataplane::backend::ReadProgress::default());
+        // Watched only where it may be abandoned (a deadline below the
+        // request's timeout).
         let watch = abandon_ms.map(|_| ProgressWatch {
-            progress: progress.clone(),
+            progress: Arc::default(),
             bytes,
             predicted_ms,
             recompute_ms,
         });
+        let progress = watch.as_ref().map(|w| w.progress.clone());
         let r = self
             .watch_read(
                 peer.as_deref(),
                 (bytes, descriptors),
                 predicted_ms,
                 SampleSource::Userspace,
-                cut_on_progress(e.read_with_progress(&req, Some(progress)), watch),
+                cut_on_progress(e.read_with_progress(&req, progress), watch),
             )
             .await;
         drop(in_flight);
@@ -373,8 +375,8 @@ impl Agent {
     /// from `peer`, ms, and when to abandon it, ms after it begins
     /// ([`crate::overdue::abandon_after_ms`] of that prediction and the
     /// engine's recompute of those tokens; `None` when
-    /// `abandon_slow_reads` is off or either model has no fit). One lock of
-    /// the model.
+    /// `abandon_slow_reads` is off or either model has no fit), and that
+    /// recompute, ms (`None` without a prefill fit). One lock of the model.
     fn predict_managed_read(
         &self,
         engine_id: &str,

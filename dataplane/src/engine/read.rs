@@ -40,9 +40,11 @@ impl TransferEngine {
 
     /// [`TransferEngine::read`], counting the bytes of its operations that
     /// complete into `progress` while it runs (libfabric backends; NIXL
-    /// reports a transfer only whole). Dropping this future cancels the
-    /// READ as its timeout does (its destination blocks stay quarantined
-    /// until the backend completes it).
+    /// reports a transfer only whole). Dropping this future abandons the
+    /// READ as its timeout does: its operations still run to their end in
+    /// the backend (posted ones cannot be cancelled, and queued ones are
+    /// still posted), and its destination blocks stay quarantined until
+    /// then.
     ///
     /// # Errors
     /// As [`TransferEngine::read`].

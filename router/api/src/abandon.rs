@@ -44,18 +44,23 @@ pub fn abandon_after_ms(predicted_ms: Option<f64>, recompute_ms: Option<f64>) ->
 /// bytes completed after `elapsed_ms`. At the rate so far, the rest takes
 /// `elapsed × (1 − f) / f`; when that is more than recomputing every block
 /// from now (`recompute_ms`), waiting on can only lose. Over a path that
-/// just dropped 50× (a link lowered to 100 Mbit/s), a READ predicted at 20
-/// ms has moved about 5 % of its bytes when it becomes overdue (120 ms):
-/// the rest would take 2.3 s, so a recompute of 900 ms starts at 120 ms
-/// instead of at 900 ms under the ski-rental rule alone.
+/// just dropped 100× (a 27 MB READ predicted at 20 ms, over a link lowered
+/// to 100 Mbit/s), the READ has moved about 5 % of its bytes when it
+/// becomes overdue (120 ms): the rest would take 2.1 s, so a recompute of
+/// 900 ms starts at 120 ms instead of at 900 ms under the ski-rental rule
+/// alone.
 ///
 /// Never before the READ is overdue ([`first_overdue_ms`]), and never
 /// without progress to judge by (`done_fraction` 0: a READ whose first
 /// operations have not completed yet, or a backend that reports a READ
 /// only whole, such as NIXL): those keep the ski-rental deadline. The
-/// linear extrapolation is a lower bound of the rest where a READ slows
-/// down as it goes (TCP behind a token bucket sends its burst first), so
-/// it cuts late rather than early. `false` without both predictions.
+/// linear extrapolation errs both ways: where a READ slows down as it goes
+/// (TCP behind a token bucket sends its burst first) it underestimates the
+/// rest and cuts late; where the READ first waited behind another on the
+/// same path, or only whole operations count (up to one operation behind
+/// the bytes that arrived), it overestimates the rest and may cut a READ
+/// that would have finished before recompute. `false` without both
+/// predictions.
 pub fn abandon_on_progress(
     predicted_ms: Option<f64>,
     recompute_ms: Option<f64>,
@@ -82,8 +87,10 @@ pub fn abandon_on_progress(
 /// counts P busy recomputing the whole prompt. Where the agent waits
 /// longer (no progress to judge by: NIXL, or agents before the progress
 /// rule), P looks busy a little early, which only steers turns away from
-/// it; a READ merely late ends, P answers, and the count goes. `None`
-/// as [`abandon_after_ms`] (no cut without both predictions).
+/// it (also where the agent does not watch a READ at all: its deadline
+/// at or past the engine's own READ timeout); a READ merely late ends, P
+/// answers, and the count goes. `None` as [`abandon_after_ms`] (no cut
+/// without both predictions).
 pub fn foreseen_abandon_ms(predicted_ms: Option<f64>, recompute_ms: Option<f64>) -> Option<f64> {
     abandon_after_ms(predicted_ms, recompute_ms)?;
     first_overdue_ms(predicted_ms)
