@@ -21,12 +21,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// What [`cut_on_progress`] watches: the READ's progress and size, and
-/// the predictions of the READ and of recomputing its blocks, ms.
+/// A managed READ that may be cut on its progress ([`Agent::watch_read`]
+/// with a watch): its completed bytes, its size and the predicted
+/// recompute of its blocks, ms.
 struct ProgressWatch {
     progress: Arc<kvloop_dataplane::backend::ReadProgress>,
     bytes: u64,
-    predicted_ms: Option<f64>,
     recompute_ms: Option<f64>,
 }
 
@@ -36,47 +36,13 @@ struct Cut {
     done_fraction: f64,
 }
 
-/// Runs `read` to its end, or cuts it (drops it: the dataplane cancels
-/// it, its blocks quarantined until the backend completes it) once it is
-/// overdue and, at its rate so far, the rest would outlast recomputing
-/// ([`kvloop_router_api::abandon::abandon_on_progress`]), checked every
-/// quarter of its first overdue mark (at least 10 ms) from that mark on.
-/// Bounded by the READ's own timeout (the ski-rental deadline). Without a
-/// watch, `read` as it is.
-async fn cut_on_progress<F: std::future::Future>(
-    read: F,
-    watch: Option<ProgressWatch>,
-) -> Result<F::Output, Cut> {
-    let Some(w) = watch else {
-        return Ok(read.await);
-    };
-    let Some(first_ms) = crate::overdue::first_overdue_ms(w.predicted_ms) else {
-        return Ok(read.await);
-    };
-    tokio::pin!(read);
-    let start = tokio::time::Instant::now();
-    let step_ms = (first_ms / 4.0).max(10.0);
-    let mut at_ms = first_ms;
-    loop {
-        let at = start + Duration::from_secs_f64(at_ms / 1e3);
-        tokio::select! {
-            r = &mut read => return Ok(r),
-            _ = tokio::time::sleep_until(at) => {
-                let elapsed_ms = start.elapsed().as_secs_f64() * 1e3;
-                let f = w.progress.done_bytes() as f64 / w.bytes.max(1) as f64;
-                tracing::debug!(elapsed_ms, done_fraction = f, "overdue READ's progress");
-                if kvloop_router_api::abandon::abandon_on_progress(
-                    w.predicted_ms,
-                    w.recompute_ms,
-                    elapsed_ms,
-                    f,
-                ) {
-                    return Err(Cut { after_ms: elapsed_ms, done_fraction: f });
-                }
-                at_ms += step_ms;
-            }
-        }
-    }
+/// How a managed READ failed.
+enum ReadFailure {
+    /// Abandoned after `after_ms` (cut on its progress, `done` of it
+    /// completed, or timed out at its deadline): the engine recomputes.
+    Abandoned { after_ms: u64, done: Option<f64> },
+    /// Any other dataplane failure.
+    Error(kvloop_dataplane::DataplaneError),
 }
 
 impl Agent {
@@ -156,40 +122,35 @@ impl Agent {
         let watch = abandon_ms.map(|_| ProgressWatch {
             progress: Arc::default(),
             bytes,
-            predicted_ms,
             recompute_ms,
         });
         let progress = watch.as_ref().map(|w| w.progress.clone());
         let r = self
-            .watch_read(
+            .watch(
                 peer.as_deref(),
                 (bytes, descriptors),
                 predicted_ms,
                 SampleSource::Userspace,
-                cut_on_progress(e.read_with_progress(&req, progress), watch),
+                watch.as_ref(),
+                e.read_with_progress(&req, progress),
             )
             .await;
         drop(in_flight);
-        // Abandoned on its progress: reported as abandoned at its deadline.
-        let (r, abandon_ms, early) = match r {
-            Ok(r) => (r, abandon_ms, false),
-            Err(cut) => {
-                tracing::info!(
-                    engine = engine_id,
-                    peer = peer_engine_id,
-                    blocks = n_blocks,
-                    after_ms = cut.after_ms,
-                    done_percent = cut.done_fraction * 100.0,
-                    "READ abandoned early: at its rate so far, the rest would take longer than recomputing its blocks"
-                );
-                let after_ms = cut.after_ms.ceil() as u64;
-                let timeout = kvloop_dataplane::DataplaneError::Timeout {
-                    xfer_id: 0,
-                    engine_id: peer_engine_id.to_string(),
-                    timeout_ms: after_ms,
-                };
-                (Err(timeout), Some(after_ms), true)
+        // Abandoned: cut on its progress, or timed out at its deadline
+        // (ms, and the share done when cut).
+        let r = match (r, abandon_ms) {
+            (Ok(Ok(o)), _) => Ok(o),
+            (Ok(Err(kvloop_dataplane::DataplaneError::Timeout { .. })), Some(after_ms)) => {
+                Err(ReadFailure::Abandoned {
+                    after_ms,
+                    done: None,
+                })
             }
+            (Ok(Err(err)), _) => Err(ReadFailure::Error(err)),
+            (Err(cut), _) => Err(ReadFailure::Abandoned {
+                after_ms: cut.after_ms.ceil() as u64,
+                done: Some(cut.done_fraction),
+            }),
         };
         match r {
             Ok(o) => {
@@ -210,20 +171,26 @@ impl Agent {
                 }
                 Ok(o)
             }
-            Err(err) => {
-                // The timeout was the abandon deadline: the engine recomputes.
-                let abandoned = abandon_ms
-                    .filter(|_| matches!(err, kvloop_dataplane::DataplaneError::Timeout { .. }));
-                let (result, outcome, err) = match abandoned {
-                    Some(ms) => {
-                        if !early {
-                            tracing::info!(
+            Err(failed) => {
+                let (result, outcome, err) = match failed {
+                    // The engine recomputes.
+                    ReadFailure::Abandoned { after_ms: ms, done } => {
+                        match done {
+                            Some(f) => tracing::info!(
+                                engine = engine_id,
+                                peer = peer_engine_id,
+                                blocks = n_blocks,
+                                after_ms = ms,
+                                done_percent = f * 100.0,
+                                "READ abandoned early: at its rate so far, the rest would take longer than recomputing its blocks"
+                            ),
+                            None => tracing::info!(
                                 engine = engine_id,
                                 peer = peer_engine_id,
                                 blocks = n_blocks,
                                 after_ms = ms,
                                 "READ abandoned: recomputing its blocks would have finished by now"
-                            );
+                            ),
                         }
                         let err = ApiError::new(
                             ErrorKind::Timeout,
@@ -235,7 +202,7 @@ impl Agent {
                         .with_origin(ErrorOrigin::Local);
                         ("abandoned", PullOutcome::Abandoned, err)
                     }
-                    None => {
+                    ReadFailure::Error(err) => {
                         let err = dataplane_error(&err);
                         ("error", PullOutcome::Failed(err.kind), err)
                     }
@@ -313,35 +280,85 @@ impl Agent {
     pub async fn watch_read<T>(
         &self,
         peer: Option<&str>,
-        (bytes, descriptors): (u64, u64),
+        size: (u64, u64),
         predicted_ms: Option<f64>,
         source: SampleSource,
         read: impl std::future::Future<Output = T>,
     ) -> T {
+        match self
+            .watch(peer, size, predicted_ms, source, None, read)
+            .await
+        {
+            Ok(r) => r,
+            Err(_) => unreachable!("a READ without a progress watch is never cut"),
+        }
+    }
+
+    /// [`Agent::watch_read`], and with `cut` also checks the READ's
+    /// progress from its first overdue mark on, every quarter of that mark
+    /// (at least 10 ms): once, at its rate so far, the rest would outlast
+    /// recomputing its blocks
+    /// ([`kvloop_router_api::abandon::abandon_on_progress`]), it drops
+    /// `read` (the dataplane abandons the READ, its blocks quarantined
+    /// until the backend is done with them) and answers [`Cut`]. Bounded
+    /// by the READ's own timeout (the ski-rental deadline).
+    async fn watch<T>(
+        &self,
+        peer: Option<&str>,
+        (bytes, descriptors): (u64, u64),
+        predicted_ms: Option<f64>,
+        source: SampleSource,
+        cut: Option<&ProgressWatch>,
+        read: impl std::future::Future<Output = T>,
+    ) -> Result<T, Cut> {
         let marks = crate::overdue::marks_ms(predicted_ms);
         let Some(peer) = peer.filter(|_| !marks.is_empty()) else {
-            return read.await;
+            return Ok(read.await);
         };
         tokio::pin!(read);
         let start = tokio::time::Instant::now();
-        for m in marks {
-            let at = start + Duration::from_secs_f64(m / 1e3);
+        let step_ms = (marks[0] / 4.0).max(10.0);
+        let (mut next_mark, mut next_check_ms) = (0, marks[0]);
+        loop {
+            let mark_ms = marks.get(next_mark).copied();
+            let check_ms = cut.map(|_| next_check_ms);
+            let Some(at_ms) = mark_ms.into_iter().chain(check_ms).reduce(f64::min) else {
+                return Ok(read.await);
+            };
+            let at = start + Duration::from_secs_f64(at_ms / 1e3);
             tokio::select! {
                 r = &mut read => {
                     // Ended (or was abandoned, whose deadline is never
                     // before the first mark) at the mark it raced: it was
                     // in flight that long.
-                    if tokio::time::Instant::now() >= at {
+                    if mark_ms == Some(at_ms) && tokio::time::Instant::now() >= at {
                         self.record_overdue(peer, bytes, descriptors, start.elapsed(), source);
                     }
-                    return r;
+                    return Ok(r);
                 }
                 _ = tokio::time::sleep_until(at) => {
-                    self.record_overdue(peer, bytes, descriptors, start.elapsed(), source);
+                    let elapsed = start.elapsed();
+                    if mark_ms == Some(at_ms) {
+                        self.record_overdue(peer, bytes, descriptors, elapsed, source);
+                        next_mark += 1;
+                    }
+                    if let Some(w) = cut.filter(|_| check_ms == Some(at_ms)) {
+                        let elapsed_ms = elapsed.as_secs_f64() * 1e3;
+                        let f = w.progress.done_bytes() as f64 / w.bytes.max(1) as f64;
+                        tracing::debug!(elapsed_ms, done_fraction = f, "overdue READ's progress");
+                        if kvloop_router_api::abandon::abandon_on_progress(
+                            predicted_ms,
+                            w.recompute_ms,
+                            elapsed_ms,
+                            f,
+                        ) {
+                            return Err(Cut { after_ms: elapsed_ms, done_fraction: f });
+                        }
+                        next_check_ms += step_ms;
+                    }
                 }
             }
         }
-        read.await
     }
 
     /// A READ from `peer` in flight for `elapsed`: a lower-bound sample of
