@@ -18,7 +18,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{get_in_ns, require_root, start_netns_agents};
+use common::{get_in_ns, require_root, start_netns_agents, start_router_in_ns};
 use kvloop_agent::client::{AgentClient, ClientError};
 use kvloop_agent::proto::{ErrorKind, ReadDirection};
 use kvloop_cli::netns::NodePair;
@@ -52,6 +52,9 @@ node_addr = "{addr}"
 http_listen = "{addr}:9470"
 socket_path = "{sock}"
 backend = {{ kind = "libfabric", provider = "tcp;ofi_rxm", max_op_bytes = 131072 }}
+[[routers]]
+url = "http://{router}"
+token = "{ROUTER_TOKEN}"
 [probe]
 period_ms = 300
 max_bytes_per_s = 67108864
@@ -66,18 +69,31 @@ bytes_per_token = 8192
 block_size_tokens = 16
 regions_per_block = 2
 "#,
-        sock = sock.display()
+        sock = sock.display(),
+        router = router_addr(name, addr, peer_addr),
     );
     let p = dir.join(format!("{name}.toml"));
     std::fs::write(&p, t).unwrap();
     p
 }
 
+/// The router's admin token.
+const ROUTER_TOKEN: &str = "abandon-secret";
+
+/// Where the router listens: node A's address, port 9471 (both agents
+/// push there, over the veth from B); `name`'s config knows it as its own
+/// `addr` on A, as its peer's on B.
+fn router_addr(name: &str, addr: &str, peer_addr: &str) -> String {
+    let a = if name == "node-a" { addr } else { peer_addr };
+    format!("{a}:9471")
+}
+
 /// p0 READs d0's blocks `0..READ_BLOCKS` into its own from `local_base`
-/// (no lease check, 10 s timeout).
+/// (no lease check, 10 s timeout), naming D's request `notify` when given.
 async fn read_d0(
     pa: &AgentClient,
     local_base: u64,
+    notify: Option<&str>,
 ) -> Result<kvloop_agent::proto::ReadDone, ClientError> {
     let pairs = (0..READ_BLOCKS)
         .map(|i| BlockPair {
@@ -90,7 +106,7 @@ async fn read_d0(
         "d0",
         pairs,
         ReadDirection::D2p,
-        None,
+        notify.map(|r| (r, 1)),
         false,
         Some(10_000),
     )
@@ -124,6 +140,8 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     pair.limit_rate_b("1gbit").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let a = pair.addr_a.to_string();
+    let router = format!("{a}:9471");
+    let _router = start_router_in_ns(dir.path(), &pair.ns_a, &router, ROUTER_TOKEN);
     let (mut agent_a, mut agent_b) = start_netns_agents(&pair, dir.path(), config);
     let (p_mem, d_mem) = (regions(1), regions(2));
     let pa = AgentClient::connect(&agent_a.socket, "abandon-p0")
@@ -161,7 +179,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     // A READ at 1 Gbit/s completes.
-    read_d0(&pa, 0).await.expect("a READ at 1 Gbit/s");
+    read_d0(&pa, 0, None).await.expect("a READ at 1 Gbit/s");
 
     // The link slows; the next READ (2 s at 8 Mbit/s) is abandoned long
     // before the engine's 10 s timeout, as a timeout the engine recomputes
@@ -169,7 +187,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     // finished: its first operations show the rest would take longer.
     pair.limit_rate_b("8mbit").unwrap();
     let t = Instant::now();
-    let err = read_d0(&pa, 16)
+    let err = read_d0(&pa, 16, Some("req-d"))
         .await
         .expect_err("a 2 MiB READ at 8 Mbit/s is abandoned");
     let took = t.elapsed();
@@ -188,7 +206,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     eprintln!("READ abandoned after {took:?}: {err}");
 
     // Its destination blocks are refused until the provider is done with them.
-    let again = read_d0(&pa, 16)
+    let again = read_d0(&pa, 16, None)
         .await
         .expect_err("the abandoned READ's blocks are quarantined");
     assert!(
@@ -213,6 +231,26 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
         pulls.len() == 1 && pulls[0].contains(r#"reason="recompute_faster""#),
         "{pulls:?}"
     );
+    // The router heard of it at once (it did not send that turn: `unknown`).
+    let t = Instant::now();
+    let heard = loop {
+        let (_, m) = get_in_ns(&pair.ns_a, &router, "/metrics", None).expect("router /metrics");
+        if m.contains(r#"kvloop_router_pull_notices_total{reason="unknown"} 1"#) {
+            break true;
+        }
+        if t.elapsed() > Duration::from_secs(5) {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(heard, "the router got no abandoned-pull notice within 5 s");
+    let (_, sent) = get_in_ns(&pair.ns_a, &format!("{a}:9470"), "/metrics", None).unwrap();
+    assert!(
+        sent.lines()
+            .any(|l| l.starts_with("kvloop_agent_pull_notices_total{")
+                && l.contains(r#"result="ok""#)),
+        "{sent}"
+    );
     // The model took the probes' READs and the abandoned READ's lower
     // bounds, each under its own source.
     for source in ["active_probe", "userspace"] {
@@ -230,7 +268,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     pair.limit_rate_b("1gbit").unwrap();
     let t = Instant::now();
     loop {
-        match read_d0(&pa, 16).await {
+        match read_d0(&pa, 16, None).await {
             Ok(_) => break,
             Err(ClientError::Api(e))
                 if matches!(e.kind, ErrorKind::BlockQuarantined | ErrorKind::Timeout)

@@ -12,9 +12,8 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{get_in_ns, require_root, start_netns_agents, workspace_bin};
+use common::{get_in_ns, require_root, start_netns_agents, start_router_in_ns, workspace_bin};
 use kvloop_agent::client::AgentClient;
-use kvloop_cli::child::ReadyChild;
 use kvloop_cli::netns::NodePair;
 
 const TOKEN: &str = "e2e-secret";
@@ -91,37 +90,6 @@ regions_per_block = 2
     p
 }
 
-fn start_router(dir: &Path, ns: &str, listen: &str) -> ReadyChild {
-    let cfg = dir.join("router.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            r#"
-listen = "{listen}"
-admin_token = "{TOKEN}"
-[[engines]]
-engine_id = "p0"
-role = "prefill"
-http_url = "http://127.0.0.1:1"
-side_channel_host = "127.0.0.1"
-side_channel_port = 5600
-[[engines]]
-engine_id = "d0"
-role = "decode"
-http_url = "http://127.0.0.1:2"
-side_channel_host = "127.0.0.1"
-side_channel_port = 5601
-"#
-        ),
-    )
-    .unwrap();
-    let mut c = NodePair::command_in(ns, &workspace_bin("kvloop-router"));
-    c.arg("--config").arg(&cfg);
-    c.env("RUST_LOG", "warn");
-    ReadyChild::start("kvloop-router", c, None, Duration::from_secs(20))
-        .unwrap_or_else(|e| panic!("{e:#}"))
-}
-
 /// Samples of the synthetic prefill model, deterministic ±3 % ripple.
 fn prefill_samples(round: u64) -> Vec<(u64, u64, u64)> {
     let mut v = Vec::new();
@@ -185,7 +153,7 @@ async fn lowering_the_link_rate_raises_the_pushed_threshold() {
     let dir = tempfile::tempdir().unwrap();
     let a = pair.addr_a.to_string();
     let router_addr = format!("{a}:8800");
-    let _router = start_router(dir.path(), &pair.ns_a, &router_addr);
+    let _router = start_router_in_ns(dir.path(), &pair.ns_a, &router_addr, TOKEN);
     let (mut agent_a, mut agent_b) =
         start_netns_agents(&pair, dir.path(), |dir, name, addr, peer, peer_addr| {
             let router = (name == "node-a").then_some(router_addr.as_str());

@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kvloop_router_api::ThresholdUpdate;
+use kvloop_router_api::{PullAbandoned, ThresholdUpdate};
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
@@ -222,6 +222,49 @@ pub async fn put_thresholds(
             )
         }
     }
+}
+
+/// `POST /admin/pulls/abandoned` ([`kvloop_router_api::PullAbandoned`]):
+/// P's agent says a pull's READ ended without the blocks, so P is
+/// recomputing the whole prompt; the load book counts it so from now
+/// ([`crate::select::load::LoadBook::pull_abandoned`]). `204` whether or
+/// not this replica sent that turn.
+pub async fn post_pull_abandoned(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let count = |reason| {
+        s.metrics
+            .pull_notices
+            .get_or_create(&ReasonLabel { reason })
+            .inc()
+    };
+    if !authorized(&s, &headers) {
+        count("unauthorized");
+        return unauthorized();
+    }
+    let n = match PullAbandoned::parse(&body) {
+        Ok(n) => n,
+        Err(e) => {
+            count("rejected");
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                None,
+                e.to_string(),
+            );
+        }
+    };
+    let digest = crate::select::load::pull_digest(&n.decode_engine_id, &n.decode_request_id);
+    let known = s.load.pull_abandoned(digest);
+    count(if known { "applied" } else { "unknown" });
+    debug!(
+        agent = %n.agent_id, prefill = %n.prefill_engine_id, decode = %n.decode_engine_id,
+        request = %n.decode_request_id, after_ms = n.after_ms, cause = %n.cause, known,
+        "pull's READ ended without the blocks: P recomputes"
+    );
+    StatusCode::NO_CONTENT.into_response()
 }
 
 /// `GET /admin/thresholds`.

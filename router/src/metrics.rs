@@ -108,6 +108,11 @@ pub struct Metrics {
     pub engine_healthy: Family<EngineLabel, Gauge>,
     /// `kvloop_router_threshold_pushes_total{reason}`: `applied`, `stale`, `rejected`, `unauthorized`.
     pub threshold_pushes: Family<ReasonLabel, Counter>,
+    /// `kvloop_router_pull_notices_total{reason}`: agents' notices that a
+    /// pull's READ ended without the blocks (`applied`: this replica's
+    /// outstanding pull, now counted as a recompute; `unknown`: another
+    /// replica's or already answered; `rejected`, `unauthorized`).
+    pub pull_notices: Family<ReasonLabel, Counter>,
     /// `kvloop_router_pulls_total{prefill_engine_id,decode_engine_id,outcome}`:
     /// what P reported of the pulls the router asked for.
     pub pulls: Family<PullLabels, Counter>,
@@ -249,6 +254,12 @@ impl Metrics {
             "Threshold pushes by outcome",
             threshold_pushes.clone(),
         );
+        let pull_notices = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "pull_notices",
+            "Agents' notices that a pull's READ ended without the blocks, by outcome",
+            pull_notices.clone(),
+        );
         let pulls = Family::<PullLabels, Counter>::default();
         registry.register(
             "pulls",
@@ -338,6 +349,7 @@ impl Metrics {
             prefix_check_mode,
             engine_healthy,
             threshold_pushes,
+            pull_notices,
         }
     }
 

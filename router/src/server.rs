@@ -13,7 +13,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use kvloop_router_api::THRESHOLDS_PATH;
+use kvloop_router_api::{PULL_ABANDONED_PATH, THRESHOLDS_PATH};
 use serde_json::value::RawValue;
 use tracing::{debug, warn};
 
@@ -48,6 +48,7 @@ pub fn app(state: Arc<AppState>) -> Router {
             "/v1/conversations/{id}",
             axum::routing::delete(crate::retention_task::delete_conversation),
         )
+        .route(PULL_ABANDONED_PATH, post(crate::admin::post_pull_abandoned))
         .route(
             THRESHOLDS_PATH,
             put(crate::admin::put_thresholds).get(crate::admin::get_thresholds),
@@ -319,6 +320,12 @@ async fn route_inner(
         chosen.and_then(|c| c.abandon),
         conversation.unwrap_or(0),
     );
+    if decision.attach.is_some()
+        && let (Some(d), Some((_, t))) = (&decision.decode_engine_id, &taken)
+        && let Some(r) = t.params.remote_request_id()
+    {
+        _prefill_load.track_pull(crate::select::load::pull_digest(d, &r));
+    }
     let pull_failed = || {
         if let Some((k, t)) = &taken {
             s.release_turn(k, t, crate::retention::Cause::PullFailed);

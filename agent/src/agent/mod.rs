@@ -68,6 +68,10 @@ struct EventQueue {
     notify: Arc<Notify>,
 }
 
+/// Most abandoned-pull notices waiting for the routers; more are dropped
+/// (a notice is worth sending only while P recomputes).
+const PULL_NOTICES_QUEUED: usize = 256;
+
 /// Most events queued per engine; older ones are dropped first.
 const MAX_QUEUED_EVENTS: usize = 65536;
 
@@ -117,6 +121,11 @@ pub struct Agent {
     next_generation: AtomicU64,
     /// Consecutive unread pulls per (reader, owner) pair.
     pulls: Mutex<crate::pulls::PullTracker>,
+    /// Notices for the routers that a pull's READ ended without the
+    /// blocks (sent by `crate::tasks::notices`; dropped when it lags).
+    pull_notices: tokio::sync::mpsc::Sender<kvloop_router_api::PullAbandoned>,
+    /// Their receiving end, until the task takes it.
+    pull_notices_rx: Mutex<Option<tokio::sync::mpsc::Receiver<kvloop_router_api::PullAbandoned>>>,
 }
 
 pub use crate::config::is_own_peer_entry;
@@ -174,6 +183,7 @@ impl Agent {
                 .iter()
                 .any(|a| a.ends_with("-> kvloop_read_post"));
         let metrics = Metrics::default();
+        let (pull_notices, pull_notices_rx) = tokio::sync::mpsc::channel(PULL_NOTICES_QUEUED);
         for name in peers.keys() {
             metrics
                 .path_valid
@@ -202,7 +212,17 @@ impl Agent {
             reads_timed_in_kernel,
             next_generation: AtomicU64::new(1),
             pulls: Mutex::new(crate::pulls::PullTracker::default()),
+            pull_notices,
+            pull_notices_rx: Mutex::new(Some(pull_notices_rx)),
         }))
+    }
+
+    /// The receiving end of the abandoned-pull notices (`None` once taken:
+    /// one task sends them).
+    pub fn take_pull_notices(
+        &self,
+    ) -> Option<tokio::sync::mpsc::Receiver<kvloop_router_api::PullAbandoned>> {
+        self.pull_notices_rx.lock().take()
     }
 
     /// Configuration in force.

@@ -3,6 +3,7 @@
 //! pull outcomes per pair, and the mapping of dataplane errors to the local
 //! API's typed errors.
 use super::*;
+use kvloop_router_api::PullAbandoned;
 
 /// Counts a READ in `kvloop_agent_reads_in_flight` until dropped (also
 /// when the caller's future is cancelled mid-READ).
@@ -98,6 +99,7 @@ impl Agent {
             }
         }
         let in_flight = InFlight::enter(&self.metrics.reads_in_flight);
+        let started = std::time::Instant::now();
         let peer = self.peer_of_engine(peer_engine_id);
         let n_blocks = blocks.len();
         let (bytes, descriptors) = read_size(e.layout(), n_blocks);
@@ -172,6 +174,20 @@ impl Agent {
                 Ok(o)
             }
             Err(failed) => {
+                if let Some(n) = &req.notify {
+                    let (after_ms, cause) = match &failed {
+                        ReadFailure::Abandoned { after_ms, .. } => (*after_ms, "abandoned"),
+                        ReadFailure::Error(_) => (started.elapsed().as_millis() as u64, "failed"),
+                    };
+                    self.notice_pull_ended(PullAbandoned {
+                        agent_id: self.cfg.agent_id.clone(),
+                        prefill_engine_id: engine_id.to_string(),
+                        decode_engine_id: peer_engine_id.to_string(),
+                        decode_request_id: n.owner_request_id.clone(),
+                        after_ms,
+                        cause: cause.into(),
+                    });
+                }
                 let (result, outcome, err) = match failed {
                     // The engine recomputes.
                     ReadFailure::Abandoned { after_ms: ms, done } => {
@@ -214,6 +230,16 @@ impl Agent {
                 self.record_pull(engine_id, peer_engine_id, outcome);
                 Err(err)
             }
+        }
+    }
+
+    /// Queues `n` for the routers ([`crate::tasks::notices`]): the engine
+    /// recomputes the whole prompt, and the router that sent it counts P
+    /// busy with that from now instead of when P answers. Not queued
+    /// without routers; dropped when the queue is full.
+    fn notice_pull_ended(&self, n: PullAbandoned) {
+        if !self.cfg.routers.is_empty() && self.pull_notices.try_send(n).is_err() {
+            tracing::debug!("abandoned-pull notice queue full; notice dropped");
         }
     }
 

@@ -1,6 +1,6 @@
 //! The agent's background tasks, one module each: peer discovery
 //! ([`discovery`]), active probes ([`probes`]), cost-model refits
-//! ([`model`]), threshold pushes ([`push`]), lease expiry ([`leases`]), the
+//! ([`model`]), threshold pushes ([`push`]), abandoned-pull notices ([`notices`]), lease expiry ([`leases`]), the
 //! eBPF sample drain ([`ebpf`]), observe mode's NIXL attach ([`observe`]) and the network watch ([`links`]). Each is
 //! a tokio task driving the agent's methods at its own timer; none blocks
 //! another (a router that is down only delays its own push task). The
@@ -16,6 +16,7 @@ pub mod ebpf;
 pub mod leases;
 pub mod links;
 pub mod model;
+pub mod notices;
 pub mod observe;
 pub mod probes;
 pub mod push;
@@ -28,6 +29,7 @@ pub fn spawn_all(agent: &Arc<Agent>) -> Vec<AbortOnDrop> {
         AbortOnDrop(tokio::spawn(discovery::run(agent.clone()))),
         AbortOnDrop(tokio::spawn(model::run(agent.clone()))),
         AbortOnDrop(tokio::spawn(push::run(agent.clone()))),
+        AbortOnDrop(tokio::spawn(notices::run(agent.clone()))),
         AbortOnDrop(tokio::spawn(leases::run(agent.clone()))),
         AbortOnDrop(tokio::spawn(ebpf::run(agent.clone()))),
         AbortOnDrop(tokio::spawn(observe::run(agent.clone()))),

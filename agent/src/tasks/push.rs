@@ -20,7 +20,7 @@ use crate::metrics::labels;
 /// address (or cannot be parsed: the push then reports the error), else
 /// one `scheme://address` per address the name resolves to now (none when
 /// it resolves to nothing: logged at debug level, retried next period).
-async fn targets(r: &RouterTarget) -> Vec<String> {
+pub(crate) async fn targets(r: &RouterTarget) -> Vec<String> {
     let Ok(u) = reqwest::Url::parse(&r.url) else {
         return vec![r.url.clone()];
     };

@@ -111,6 +111,41 @@ pub fn start_netns_agents(
     )
 }
 
+/// Starts `kvloop-router` inside namespace `ns`, listening on `listen`
+/// with admin token `token`, engines p0 (prefill) and d0 (decode) at
+/// addresses where nothing answers: enough for the agents' pushes and
+/// notices, not for chat requests.
+pub fn start_router_in_ns(dir: &Path, ns: &str, listen: &str, token: &str) -> ReadyChild {
+    let cfg = dir.join("router.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"
+listen = "{listen}"
+admin_token = "{token}"
+[[engines]]
+engine_id = "p0"
+role = "prefill"
+http_url = "http://127.0.0.1:1"
+side_channel_host = "127.0.0.1"
+side_channel_port = 5600
+[[engines]]
+engine_id = "d0"
+role = "decode"
+http_url = "http://127.0.0.1:2"
+side_channel_host = "127.0.0.1"
+side_channel_port = 5601
+"#
+        ),
+    )
+    .unwrap();
+    let mut c = kvloop_cli::netns::NodePair::command_in(ns, &workspace_bin("kvloop-router"));
+    c.arg("--config").arg(&cfg);
+    c.env("RUST_LOG", "warn");
+    ReadyChild::start("kvloop-router", c, None, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
 /// `GET http://<http><path>`'s body as text (e.g. `/metrics`).
 pub async fn get_text(http: &str, path: &str) -> String {
     reqwest::get(format!("http://{http}{path}"))

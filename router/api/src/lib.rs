@@ -18,10 +18,12 @@
 pub mod abandon;
 pub mod json;
 pub mod kv_params;
+pub mod notice;
 pub mod sse;
 pub mod streak;
 
 pub use kv_params::{BlockIds, KvTransferParams, ParamsError};
+pub use notice::{NoticeError, PULL_ABANDONED_PATH, PullAbandoned};
 pub use sse::{SseEvent, SseParser};
 
 use serde::{Deserialize, Serialize};

@@ -43,6 +43,9 @@ struct Item {
     read_end_ms: Option<u64>,
     /// Digest of its conversation (0: none), shared with the line.
     conversation: u64,
+    /// Its pull's [`pull_digest`] (0: none or not tracked), matched by
+    /// [`LoadBook::pull_abandoned`].
+    pull: u64,
 }
 
 impl Fifo {
@@ -264,6 +267,30 @@ impl Drop for PrefillGuard {
     }
 }
 
+/// Names one pull for [`LoadBook::pull_abandoned`]: the digest of D's
+/// engine id and the request id its blocks are held under
+/// (`remote_engine_id`, `remote_request_id` of the params sent to P; the
+/// agent's [`kvloop_router_api::PullAbandoned`] carries both). Never 0.
+pub fn pull_digest(decode_engine_id: &str, decode_request_id: &str) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(decode_engine_id.as_bytes());
+    h.update(&[0]);
+    h.update(decode_request_id.as_bytes());
+    h.digest().max(1)
+}
+
+impl PrefillGuard {
+    /// Names this prefill's pull ([`pull_digest`]), so that a notice from
+    /// P's agent that the READ ended without the blocks finds it.
+    pub fn track_pull(&self, digest: u64) {
+        if let Some(e) = self.book.engines.get(usize::from(self.engine))
+            && let Some(x) = e.fifo.lock().items.iter_mut().find(|x| x.id == self.id)
+        {
+            x.pull = digest;
+        }
+    }
+}
+
 /// One in-flight decode stream on one engine while alive.
 pub struct DecodeGuard {
     book: Arc<LoadBook>,
@@ -343,6 +370,7 @@ impl LoadBook {
                 abandon,
                 read_end_ms,
                 conversation,
+                pull: 0,
             });
         }
         if let Some(m) = compute_ms {
@@ -368,6 +396,36 @@ impl LoadBook {
             tokens,
             id,
         }
+    }
+
+    /// P's agent says the READ of pull `digest` ([`pull_digest`]) ended
+    /// without the blocks (abandoned or failed): P recomputes the whole
+    /// prompt from now, in its compute line with the whole prompt's
+    /// predicted compute ([`Abandon::compute_ms`]; its suffix's where none
+    /// was foreseen). Without the notice the router learns it only when P
+    /// answers ([`Fifo::settle`] guesses it only for overtaken pulls past
+    /// their deadline). Returns whether this replica has that pull
+    /// outstanding (another replica's, or one already answered: ignored).
+    pub fn pull_abandoned(&self, digest: u64) -> bool {
+        let now = self.clock.now_ms();
+        for e in &self.engines {
+            let mut f = e.fifo.lock();
+            if let Some(x) = f.items.iter_mut().find(|x| x.pull == digest && digest != 0) {
+                if x.pulled {
+                    *x = Item {
+                        sent_ms: now,
+                        compute_us: x.abandon.map_or(x.compute_us, |a| a.1),
+                        pulled: false,
+                        overtaken: false,
+                        abandon: None,
+                        read_end_ms: None,
+                        ..*x
+                    };
+                }
+                return true;
+            }
+        }
+        false
     }
 
     /// Count one decode stream on `engine` until the guard drops.

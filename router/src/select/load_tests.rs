@@ -221,6 +221,43 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
 }
 
 #[test]
+fn a_pull_its_agent_says_ended_without_the_blocks_is_a_whole_recompute_from_then() {
+    let (b, clock) = book(2);
+    clock.advance(1000);
+    let abandon = Abandon {
+        after_ms: 600.0,
+        compute_ms: 900.0,
+        read_ms: 20.0,
+    };
+    let pull = b.begin_prefill(1, 10, Some(50.0), true, Some(abandon), 0);
+    let digest = pull_digest("d0", "cmpl-7");
+    pull.track_pull(digest);
+    assert_eq!(b.remaining_ms(1, 1000), 50.0, "booked as its suffix");
+    // Cut at 127 ms, not overtaken: without the notice the book keeps the
+    // suffix (the pull may be waiting in P's line with its KV).
+    clock.advance(127);
+    assert!(
+        !b.pull_abandoned(pull_digest("d0", "cmpl-8")),
+        "another pull"
+    );
+    assert!(!b.pull_abandoned(pull_digest("d1", "cmpl-7")), "another D");
+    assert_eq!(b.remaining_ms(1, 1127), 0.0);
+    assert!(b.pull_abandoned(digest));
+    assert_eq!(b.remaining_ms(1, 1127), 900.0, "the whole prompt, from now");
+    assert_eq!(b.remaining_ms(1, 1327), 700.0);
+    assert_eq!(b.own_line(1, 1327).unwrap().items, vec![(200, 900_000)]);
+    // A second notice (both routers' addresses, a retry) changes nothing.
+    assert!(b.pull_abandoned(digest));
+    assert_eq!(b.remaining_ms(1, 1327), 700.0);
+    drop(pull);
+    assert!(!b.pull_abandoned(digest), "answered: gone from the book");
+    assert_eq!(b.remaining_ms(1, 1327), 0.0);
+    // Untracked prefills never match.
+    let _r = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    assert!(!b.pull_abandoned(0));
+}
+
+#[test]
 fn shared_lines_merge_with_the_own_one_in_sending_order() {
     let (b, clock) = book(2);
     clock.advance(1000);
