@@ -283,8 +283,9 @@ def test_wrong_context_is_far_above_tolerance(cluster, words, report):
     """Calibration: the same turn 2 after a different turn 1 (what a READ of
     wrong blocks would feed the model) changes the greedy tokens or moves the
     answer's logprobs far more than reuse does; three different first turns,
-    the smallest counts."""
-    u = users(words, 2600)
+    the smallest counts. Two turns each: only turn 2 is compared (a third
+    turn cost about a minute of CPU inference in `make test-vllm`)."""
+    u = users(words, 2600, turns=2)
     a = conversation(OFF, "chat", False, u, None)
     again = conversation(OFF, "chat", False, u, None)
     wrong = []
