@@ -339,6 +339,12 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
         m.contains("kvloop_agent_pushes_total{router=\"http://127.0.0.1:1\",result=\"error\"}"),
         "pushes to the router that is down were attempted and failed: {m}"
     );
+    assert!(
+        m.contains(
+            "kvloop_agent_pull_notices_total{router=\"http://127.0.0.1:1\",result=\"error\"}"
+        ),
+        "the declined READ's notice was sent to the router (down): {m}"
+    );
     let h = reqwest::get(format!("http://{}/healthz", a.http))
         .await
         .unwrap();

@@ -95,6 +95,14 @@ impl Agent {
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "declined")]))
                     .inc();
                 self.record_pull(engine_id, peer_engine_id, PullOutcome::Declined(err.kind));
+                self.notice_pull_ended(PullAbandoned {
+                    agent_id: self.cfg.agent_id.clone(),
+                    prefill_engine_id: engine_id.to_string(),
+                    decode_engine_id: peer_engine_id.to_string(),
+                    decode_request_id: req.owner_request_id.clone(),
+                    after_ms: 0,
+                    cause: "declined".into(),
+                });
                 return Err(err);
             }
         }

@@ -1,5 +1,5 @@
 //! Abandoned-pull notices: when a managed READ of D's blocks ends without
-//! them (abandoned as slower than recomputing, or failed), P recomputes the
+//! them (abandoned as slower than recomputing, failed, or declined by D's lease), P recomputes the
 //! whole prompt; every router address hears of it at once
 //! (`POST` [`kvloop_router_api::PULL_ABANDONED_PATH`]), so that the replica
 //! that sent the turn counts P busy with that recompute now rather than

@@ -12,7 +12,7 @@ pub const PULL_ABANDONED_PATH: &str = "/admin/pulls/abandoned";
 
 /// Sent by P's agent to every router address at once when a managed READ
 /// of D's blocks ends without them (abandoned as slower than recomputing,
-/// or failed): P now recomputes the whole prompt. The router that sent the
+/// failed, or declined by D's lease): P now recomputes the whole prompt. The router that sent the
 /// turn would otherwise learn it only when P answers, and keep counting P
 /// busy for a READ's time instead of a whole prompt's compute. A router
 /// that did not send the turn (another replica) ignores it. Unknown fields
@@ -31,7 +31,8 @@ pub struct PullAbandoned {
     pub decode_request_id: String,
     /// How long the READ ran before it ended, ms.
     pub after_ms: u64,
-    /// Why: `"abandoned"` (slower than recomputing) or `"failed"`.
+    /// Why: `"abandoned"` (slower than recomputing), `"failed"`, or
+    /// `"declined"` (D's lease did not cover the blocks: nothing was read).
     pub cause: String,
 }
 

@@ -399,7 +399,7 @@ impl LoadBook {
     }
 
     /// P's agent says the READ of pull `digest` ([`pull_digest`]) ended
-    /// without the blocks (abandoned or failed): P recomputes the whole
+    /// without the blocks (abandoned, failed or declined): P recomputes the whole
     /// prompt from now, in its compute line with the whole prompt's
     /// predicted compute ([`Abandon::compute_ms`]; its suffix's where none
     /// was foreseen). Without the notice the router learns it only when P
