@@ -18,6 +18,8 @@ use crate::metrics::ReasonLabel;
 use crate::models::merge_models;
 use crate::state::AppState;
 use crate::thresholds::ApplyOutcome;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 /// `GET /v1/models`: the models of every healthy engine, merged.
 pub async fn models(State(s): State<Arc<AppState>>) -> Response {
@@ -158,6 +160,37 @@ pub(crate) fn unauthorized() -> Response {
     )
 }
 
+/// An agent's call to the admin API: its bearer token checked, then its
+/// body parsed by `parse`; a refusal is counted in `family`
+/// (`unauthorized`, `rejected`) and answered (401; 400 with the parser's
+/// message, which names the bad field).
+fn admit<T, E: std::fmt::Display>(
+    s: &AppState,
+    headers: &HeaderMap,
+    family: &Family<ReasonLabel, Counter>,
+    parse: impl FnOnce() -> Result<T, E>,
+) -> Result<T, Box<Response>> {
+    let count = |reason| family.get_or_create(&ReasonLabel { reason }).inc();
+    if !authorized(s, headers) {
+        count("unauthorized");
+        return Err(Box::new(unauthorized()));
+    }
+    parse().map_err(|e| {
+        count("rejected");
+        Box::new(bad_request(e.to_string()))
+    })
+}
+
+/// 400 with an OpenAI-style error body.
+fn bad_request(message: String) -> Response {
+    error_response(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        None,
+        message,
+    )
+}
+
 /// `PUT /admin/thresholds`.
 pub async fn put_thresholds(
     State(s): State<Arc<AppState>>,
@@ -170,21 +203,11 @@ pub async fn put_thresholds(
             .get_or_create(&ReasonLabel { reason })
             .inc()
     };
-    if !authorized(&s, &headers) {
-        count("unauthorized");
-        return unauthorized();
-    }
-    let u: ThresholdUpdate = match serde_json::from_slice(&body) {
+    let u = match admit(&s, &headers, &s.metrics.threshold_pushes, || {
+        serde_json::from_slice::<ThresholdUpdate>(&body).map_err(|e| format!("body: {e}"))
+    }) {
         Ok(u) => u,
-        Err(e) => {
-            count("rejected");
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                None,
-                format!("body: {e}"),
-            );
-        }
+        Err(refused) => return *refused,
     };
     let now = s.now_ms();
     let r = s
@@ -214,12 +237,7 @@ pub async fn put_thresholds(
         }
         Err(e) => {
             count("rejected");
-            error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                None,
-                e.to_string(),
-            )
+            bad_request(e.to_string())
         }
     }
 }
@@ -234,31 +252,20 @@ pub async fn post_pull_abandoned(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let count = |reason| {
-        s.metrics
-            .pull_notices
-            .get_or_create(&ReasonLabel { reason })
-            .inc()
-    };
-    if !authorized(&s, &headers) {
-        count("unauthorized");
-        return unauthorized();
-    }
-    let n = match PullAbandoned::parse(&body) {
+    let n = match admit(&s, &headers, &s.metrics.pull_notices, || {
+        PullAbandoned::parse(&body)
+    }) {
         Ok(n) => n,
-        Err(e) => {
-            count("rejected");
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                None,
-                e.to_string(),
-            );
-        }
+        Err(refused) => return *refused,
     };
     let digest = crate::select::load::pull_digest(&n.decode_engine_id, &n.decode_request_id);
     let known = s.load.pull_abandoned(digest);
-    count(if known { "applied" } else { "unknown" });
+    s.metrics
+        .pull_notices
+        .get_or_create(&ReasonLabel {
+            reason: if known { "applied" } else { "unknown" },
+        })
+        .inc();
     debug!(
         agent = %n.agent_id, prefill = %n.prefill_engine_id, decode = %n.decode_engine_id,
         request = %n.decode_request_id, after_ms = n.after_ms, cause = %n.cause, known,

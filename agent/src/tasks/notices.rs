@@ -7,10 +7,10 @@
 //! only while P recomputes. Addresses as the threshold pushes resolve them
 //! ([`super::push::targets`]).
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvloop_router_api::{PULL_ABANDONED_PATH, PullAbandoned};
 
+use super::push::{Sent, send_json};
 use crate::agent::Agent;
 use crate::metrics::labels;
 
@@ -35,23 +35,13 @@ pub async fn run(agent: Arc<Agent>) {
 
 async fn send_one(agent: &Agent, base: &str, token: Option<&str>, n: &PullAbandoned) {
     let url = format!("{}{}", base.trim_end_matches('/'), PULL_ABANDONED_PATH);
-    let res = agent
-        .http_client()
-        .post(&url)
-        .bearer_auth(token.unwrap_or_default())
-        .timeout(Duration::from_millis(agent.config().push_timeout_ms))
-        .json(n)
-        .send()
-        .await;
-    let ok = match res {
-        Ok(resp) if resp.status().is_success() => true,
-        Ok(resp) => {
-            let st = resp.status();
-            let body = resp.text().await.unwrap_or_default();
+    let ok = match send_json(agent, reqwest::Method::POST, &url, token, n).await {
+        Sent::Ok => true,
+        Sent::Refused(st, body) => {
             tracing::warn!(router = %base, status = %st, %body, "abandoned-pull notice refused");
             false
         }
-        Err(e) => {
+        Sent::Failed(e) => {
             tracing::debug!(router = %base, error = %e, "abandoned-pull notice failed");
             false
         }

@@ -95,23 +95,50 @@ pub async fn run(agent: Arc<Agent>) {
     }
 }
 
+/// What became of one call to a router's admin API.
+pub(crate) enum Sent {
+    /// A 2xx answer.
+    Ok,
+    /// Another status, with the answer's body.
+    Refused(reqwest::StatusCode, String),
+    /// No answer (connection, timeout).
+    Failed(reqwest::Error),
+}
+
+/// Sends `body` as JSON to `url` with `method`, bearer `token` (empty
+/// when `None`) and the agent's `push_timeout_ms`.
+pub(crate) async fn send_json(
+    agent: &Agent,
+    method: reqwest::Method,
+    url: &str,
+    token: Option<&str>,
+    body: &impl serde::Serialize,
+) -> Sent {
+    let res = agent
+        .http_client()
+        .request(method, url)
+        .bearer_auth(token.unwrap_or_default())
+        .timeout(Duration::from_millis(agent.config().push_timeout_ms))
+        .json(body)
+        .send()
+        .await;
+    match res {
+        Ok(resp) if resp.status().is_success() => Sent::Ok,
+        Ok(resp) => {
+            let st = resp.status();
+            Sent::Refused(st, resp.text().await.unwrap_or_default())
+        }
+        Err(e) => Sent::Failed(e),
+    }
+}
+
 async fn push_one(agent: &Agent, r: &RouterTarget, u: &ThresholdUpdate) {
     let url = format!("{}{}", r.url.trim_end_matches('/'), THRESHOLDS_PATH);
     let mut delay = Duration::from_millis(agent.config().push_retry_initial_ms);
     for attempt in 1..=agent.config().push_attempts {
-        let res = agent
-            .http_client()
-            .put(&url)
-            .bearer_auth(r.token.as_deref().unwrap_or_default())
-            .timeout(Duration::from_millis(agent.config().push_timeout_ms))
-            .json(u)
-            .send()
-            .await;
-        let ok = match res {
-            Ok(resp) if resp.status().is_success() => true,
-            Ok(resp) => {
-                let st = resp.status();
-                let body = resp.text().await.unwrap_or_default();
+        let ok = match send_json(agent, reqwest::Method::PUT, &url, r.token.as_deref(), u).await {
+            Sent::Ok => true,
+            Sent::Refused(st, body) => {
                 tracing::warn!(router = %r.url, status = %st, %body, attempt, "threshold push refused");
                 // 4xx other than 429: retrying the same body will not help.
                 if st.is_client_error() && st.as_u16() != 429 {
@@ -124,7 +151,7 @@ async fn push_one(agent: &Agent, r: &RouterTarget, u: &ThresholdUpdate) {
                 }
                 false
             }
-            Err(e) => {
+            Sent::Failed(e) => {
                 tracing::debug!(router = %r.url, error = %e, attempt, "threshold push failed");
                 false
             }
