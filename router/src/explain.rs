@@ -271,6 +271,7 @@ mod tests {
                 after_ms: 600.4,
                 compute_ms: 900.0,
                 read_ms: 150.0,
+                noticed: false,
             }),
             ..c
         });

@@ -324,6 +324,7 @@ mod tests {
             prefill_ms_per_token_ctx: 0.0,
             confidence: 0.9,
             abandons_slow_reads: false,
+            notices_abandoned_pulls: false,
         };
         let e = Effective {
             threshold_tokens: 1,

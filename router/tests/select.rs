@@ -22,6 +22,7 @@ fn pair(p: &str, xfer_ms_per_token: f64) -> PairThreshold {
             prefill_ms_per_token_ctx: 0.0,
             confidence: 1.0,
             abandons_slow_reads: false,
+            notices_abandoned_pulls: false,
         }),
     }
 }

@@ -101,6 +101,7 @@ pub fn router_coefficients(
         prefill_ms_per_token_ctx: prefill.ms_per_token_ctx,
         confidence: confidence.clamp(0.0, 1.0),
         abandons_slow_reads: false,
+        notices_abandoned_pulls: false,
     }
 }
 
@@ -237,6 +238,7 @@ mod tests {
             prefill_ms_per_token: k1,
             prefill_ms_per_token_ctx: k2,
             abandons_slow_reads: false,
+            notices_abandoned_pulls: false,
             confidence: 1.0,
         }
     }

@@ -121,6 +121,7 @@ mod tests {
             prefill_ms_per_token_ctx: 1e-6,
             confidence: 0.9,
             abandons_slow_reads: false,
+            notices_abandoned_pulls: false,
         }
     }
 

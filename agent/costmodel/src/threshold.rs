@@ -454,6 +454,7 @@ mod tests {
                 prefill_ms_per_token_ctx: 0.0,
                 confidence: conf,
                 abandons_slow_reads: false,
+                notices_abandoned_pulls: false,
             },
             raw_tokens: tokens as f64,
             se_rel,

@@ -120,6 +120,7 @@ proptest! {
             prefill_ms_per_token_ctx: k2,
             confidence: 1.0,
             abandons_slow_reads: false,
+            notices_abandoned_pulls: false,
         };
         let r = break_even_tokens(&c);
         prop_assert!(!r.is_nan() && r >= 0.0, "{c:?} -> {r}");

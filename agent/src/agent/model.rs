@@ -237,9 +237,10 @@ impl Agent {
 
     /// The next threshold update to push to the routers (every pair's
     /// threshold, valid for `valid_for_ms`), with the next push sequence
-    /// number. A pair's model says `abandons_slow_reads` when
-    /// `abandon_slow_reads` is on and this agent hosts its prefill engine
-    /// (managed mode: the agent owns its READs).
+    /// number. A pair's model says `abandons_slow_reads` (and
+    /// `notices_abandoned_pulls`) when `abandon_slow_reads` is on and this
+    /// agent hosts its prefill engine (managed mode: the agent owns its
+    /// READs).
     pub fn threshold_update(&self) -> ThresholdUpdate {
         let mut pairs = self
             .model
@@ -251,6 +252,8 @@ impl Agent {
             if let Some(m) = &mut p.model {
                 m.abandons_slow_reads =
                     self.cfg.abandon_slow_reads && self.engine(&p.prefill_engine_id).is_ok();
+                // It tells the routers when it does (`crate::tasks::notices`).
+                m.notices_abandoned_pulls = m.abandons_slow_reads;
             }
         }
         self.last_pushed.lock().clone_from(&pairs);

@@ -123,6 +123,17 @@ pub struct CostModelCoefficients {
     /// denies unknown fields).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub abandons_slow_reads: bool,
+    /// The pushing agent also tells the routers at once when a READ over
+    /// this pair is abandoned, fails or is declined ([`PullAbandoned`] at
+    /// [`PULL_ABANDONED_PATH`]). A router then books P's recompute from
+    /// that notice, instead of assuming that every pull still READing at
+    /// its first overdue mark was cut there: the agent cuts only a READ
+    /// whose progress says the rest would outlast recomputing
+    /// ([`abandon::abandon_on_progress`]), and a READ late but not cut
+    /// made P look busy with a recompute it never did. Sent only when true
+    /// (this struct denies unknown fields: upgrade routers first).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub notices_abandoned_pulls: bool,
 }
 
 impl CostModelCoefficients {

@@ -41,6 +41,9 @@ struct Item {
     /// When its READ is predicted to end, ms (known where it may be
     /// abandoned: [`Abandon::read_ms`]).
     read_end_ms: Option<u64>,
+    /// P's agent notices a cut of its READ ([`Abandon::noticed`]): no
+    /// assumed cut at the deadline.
+    noticed: bool,
     /// Digest of its conversation (0: none), shared with the line.
     conversation: u64,
     /// Its pull's [`pull_digest`] (0: none or not tracked), matched by
@@ -54,9 +57,14 @@ impl Fifo {
     /// recompute of the whole prompt, in P's line from the deadline on (its
     /// agent abandoned the READ, `kvloop_router_api::abandon`). A pull not
     /// overtaken may have its KV and wait in P's line: it stays as it is.
+    /// Nor does a pull whose agent notices its cuts ([`Abandon::noticed`]):
+    /// that agent cuts only a READ whose progress says so, and the notice
+    /// says when ([`LoadBook::pull_abandoned`]).
     fn settle(&mut self, now_ms: u64) {
         for x in &mut self.items {
-            let due = x.abandon.filter(|a| x.overtaken && a.0 <= now_ms);
+            let due = x
+                .abandon
+                .filter(|a| x.overtaken && !x.noticed && a.0 <= now_ms);
             if let Some((at_ms, compute_us)) = due {
                 *x = Item {
                     sent_ms: at_ms,
@@ -120,6 +128,10 @@ pub struct Abandon {
     /// due to end may reach P's line first and finish first without this
     /// READ being late (see [`PrefillGuard`]).
     pub read_ms: f64,
+    /// P's agent notices its cut ([`LoadBook::pull_abandoned`];
+    /// `notices_abandoned_pulls` in its model): the book waits for that
+    /// instead of assuming the cut at `after_ms` ([`Fifo::settle`]).
+    pub noticed: bool,
 }
 
 /// Weight of a new sample in the measured prefill cost (EWMA).
@@ -369,6 +381,7 @@ impl LoadBook {
                 overtaken: false,
                 abandon,
                 read_end_ms,
+                noticed: abandon_in.is_some_and(|a| a.noticed),
                 conversation,
                 pull: 0,
             });

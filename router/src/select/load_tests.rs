@@ -168,6 +168,7 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
         after_ms: 600.0,
         compute_ms: 900.0,
         read_ms: 20.0,
+        noticed: false,
     };
     let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
     clock.advance(30); // past the READ's predicted end
@@ -207,6 +208,7 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
         after_ms: 600.0,
         compute_ms: 900.0,
         read_ms: 120.0,
+        noticed: false,
     };
     let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
     clock.advance(10);
@@ -228,6 +230,7 @@ fn a_pull_its_agent_says_ended_without_the_blocks_is_a_whole_recompute_from_then
         after_ms: 600.0,
         compute_ms: 900.0,
         read_ms: 20.0,
+        noticed: false,
     };
     let pull = b.begin_prefill(1, 10, Some(50.0), true, Some(abandon), 0);
     let digest = pull_digest("d0", "cmpl-7");
@@ -369,4 +372,30 @@ fn own_lines_name_their_conversations() {
     );
     assert_eq!(b.own_line(0, 0).unwrap().conversations, vec![42, 0]);
     drop((g, h, i));
+}
+
+#[test]
+fn a_pull_whose_agent_notices_its_cuts_is_not_assumed_cut_at_the_deadline() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    // As in an_abandoned_pull_reenters_the_line_as_a_whole_recompute, but
+    // P's agent sends notices: overtaken and past its deadline, the pull
+    // is still READing (its agent cuts only on its progress), not in line.
+    let abandon = Abandon {
+        after_ms: 600.0,
+        compute_ms: 900.0,
+        read_ms: 20.0,
+        noticed: true,
+    };
+    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
+    pull.track_pull(pull_digest("d0", "r"));
+    clock.advance(30);
+    drop(b.begin_prefill(0, 10, Some(100.0), false, None, 0));
+    assert_eq!(b.remaining_ms(0, 1600), 0.0, "no assumed cut");
+    assert_eq!(b.remaining_ms(0, 2500), 0.0);
+    // The notice comes at 2.5 s: the whole prompt from then.
+    clock.advance(1470);
+    assert!(b.pull_abandoned(pull_digest("d0", "r")));
+    assert_eq!(b.remaining_ms(0, 2500), 900.0);
+    drop(pull);
 }

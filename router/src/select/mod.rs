@@ -374,6 +374,7 @@ pub fn select(
                     after_ms,
                     compute_ms: recompute_ms + suffix_ms,
                     read_ms,
+                    noticed: x.notices_abandoned_pulls,
                 });
             push(true, read_ms, abandon);
         }

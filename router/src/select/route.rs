@@ -189,6 +189,7 @@ mod tests {
                 prefill_ms_per_token_ctx: 0.0,
                 confidence: 1.0,
                 abandons_slow_reads: false,
+                notices_abandoned_pulls: false,
             }),
         };
         let mut t = ThresholdTable::new(64);

@@ -9,6 +9,7 @@ fn model(xfer_per_token: f64) -> CostModelCoefficients {
         prefill_ms_per_token_ctx: 0.000_01,
         confidence: 0.9,
         abandons_slow_reads: false,
+        notices_abandoned_pulls: false,
     }
 }
 
@@ -394,6 +395,7 @@ fn a_pull_carries_the_deadline_at_which_p_agent_abandons_it() {
     // 0.000_01 × 10,050) = 11.05 ms.
     let abandoning = CostModelCoefficients {
         abandons_slow_reads: true,
+        notices_abandoned_pulls: false,
         ..model(0.001)
     };
     let s = select(
