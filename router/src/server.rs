@@ -312,20 +312,23 @@ async fn route_inner(
     });
 
     let n_prompt = tokens.as_ref().map(Vec::len);
+    // A pulled turn names its pull, for P's agent's notice of a cut.
+    let pull = decision.attach.is_some().then(|| {
+        let (Some(d), Some((_, t))) = (&decision.decode_engine_id, &taken) else {
+            return 0;
+        };
+        t.params
+            .remote_request_id()
+            .map_or(0, |r| crate::select::load::pull_digest(d, &r))
+    });
     let _prefill_load = s.load.begin_prefill(
         p_idx,
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
         chosen.map(|c| c.compute_ms()),
-        decision.attach.is_some(),
+        pull,
         chosen.and_then(|c| c.abandon),
         conversation.unwrap_or(0),
     );
-    if decision.attach.is_some()
-        && let (Some(d), Some((_, t))) = (&decision.decode_engine_id, &taken)
-        && let Some(r) = t.params.remote_request_id()
-    {
-        _prefill_load.track_pull(crate::select::load::pull_digest(d, &r));
-    }
     let pull_failed = || {
         if let Some((k, t)) = &taken {
             s.release_turn(k, t, crate::retention::Cause::PullFailed);

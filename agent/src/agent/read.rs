@@ -95,14 +95,11 @@ impl Agent {
                     .get_or_create(&labels(&[("direction", dir_label), ("result", "declined")]))
                     .inc();
                 self.record_pull(engine_id, peer_engine_id, PullOutcome::Declined(err.kind));
-                self.notice_pull_ended(PullAbandoned {
-                    agent_id: self.cfg.agent_id.clone(),
-                    prefill_engine_id: engine_id.to_string(),
-                    decode_engine_id: peer_engine_id.to_string(),
-                    decode_request_id: req.owner_request_id.clone(),
-                    after_ms: 0,
-                    cause: "declined".into(),
-                });
+                self.notice_pull_ended(
+                    (engine_id, peer_engine_id, &req.owner_request_id),
+                    0,
+                    "declined",
+                );
                 return Err(err);
             }
         }
@@ -187,14 +184,11 @@ impl Agent {
                         ReadFailure::Abandoned { after_ms, .. } => (*after_ms, "abandoned"),
                         ReadFailure::Error(_) => (started.elapsed().as_millis() as u64, "failed"),
                     };
-                    self.notice_pull_ended(PullAbandoned {
-                        agent_id: self.cfg.agent_id.clone(),
-                        prefill_engine_id: engine_id.to_string(),
-                        decode_engine_id: peer_engine_id.to_string(),
-                        decode_request_id: n.owner_request_id.clone(),
+                    self.notice_pull_ended(
+                        (engine_id, peer_engine_id, &n.owner_request_id),
                         after_ms,
-                        cause: cause.into(),
-                    });
+                        cause,
+                    );
                 }
                 let (result, outcome, err) = match failed {
                     // The engine recomputes.
@@ -241,12 +235,30 @@ impl Agent {
         }
     }
 
-    /// Queues `n` for the routers ([`crate::tasks::notices`]): the engine
-    /// recomputes the whole prompt, and the router that sent it counts P
-    /// busy with that from now instead of when P answers. Not queued
-    /// without routers; dropped when the queue is full.
-    fn notice_pull_ended(&self, n: PullAbandoned) {
-        if !self.cfg.routers.is_empty() && self.pull_notices.try_send(n).is_err() {
+    /// Queues for the routers ([`crate::tasks::notices`]) that the READ of
+    /// `(reader engine, owner engine, owner's request id)` ended without
+    /// the blocks after `after_ms` (`cause`: `abandoned`, `failed`,
+    /// `declined`): the engine recomputes the whole prompt, and the router
+    /// that sent it counts P busy with that from now instead of when P
+    /// answers. Not queued without routers; dropped when the queue is full.
+    fn notice_pull_ended(
+        &self,
+        (reader, owner, request): (&str, &str, &str),
+        after_ms: u64,
+        cause: &str,
+    ) {
+        if self.cfg.routers.is_empty() {
+            return;
+        }
+        let n = PullAbandoned {
+            agent_id: self.cfg.agent_id.clone(),
+            prefill_engine_id: reader.to_string(),
+            decode_engine_id: owner.to_string(),
+            decode_request_id: request.to_string(),
+            after_ms,
+            cause: cause.to_string(),
+        };
+        if self.pull_notices.try_send(n).is_err() {
             tracing::debug!("abandoned-pull notice queue full; notice dropped");
         }
     }

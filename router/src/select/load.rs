@@ -46,7 +46,7 @@ struct Item {
     noticed: bool,
     /// Digest of its conversation (0: none), shared with the line.
     conversation: u64,
-    /// Its pull's [`pull_digest`] (0: none or not tracked), matched by
+    /// Its pull's [`pull_digest`] (0: none or not known), matched by
     /// [`LoadBook::pull_abandoned`].
     pull: u64,
 }
@@ -279,7 +279,8 @@ impl Drop for PrefillGuard {
     }
 }
 
-/// Names one pull for [`LoadBook::pull_abandoned`]: the digest of D's
+/// Names one pull for [`LoadBook::begin_prefill`] and
+/// [`LoadBook::pull_abandoned`]: the digest of D's
 /// engine id and the request id its blocks are held under
 /// (`remote_engine_id`, `remote_request_id` of the params sent to P; the
 /// agent's [`kvloop_router_api::PullAbandoned`] carries both). Never 0.
@@ -289,18 +290,6 @@ pub fn pull_digest(decode_engine_id: &str, decode_request_id: &str) -> u64 {
     h.update(&[0]);
     h.update(decode_request_id.as_bytes());
     h.digest().max(1)
-}
-
-impl PrefillGuard {
-    /// Names this prefill's pull ([`pull_digest`]), so that a notice from
-    /// P's agent that the READ ended without the blocks finds it.
-    pub fn track_pull(&self, digest: u64) {
-        if let Some(e) = self.book.engines.get(usize::from(self.engine))
-            && let Some(x) = e.fifo.lock().items.iter_mut().find(|x| x.id == self.id)
-        {
-            x.pull = digest;
-        }
-    }
 }
 
 /// One in-flight decode stream on one engine while alive.
@@ -338,8 +327,9 @@ impl LoadBook {
 
     /// Count `tokens` (and `compute_ms`, the selection's prediction of
     /// their compute, when there is one) outstanding on prefill engine
-    /// `engine` until the guard drops; `pulled`: sent with D's params (P
-    /// READs the prefix first). `abandon`: P's agent abandons that READ
+    /// `engine` until the guard drops; `pull`: sent with D's params (P
+    /// READs the prefix first), with that pull's [`pull_digest`] (0: not
+    /// known), which [`LoadBook::pull_abandoned`] matches. `abandon`: P's agent abandons that READ
     /// after [`Abandon::after_ms`] and P then computes the whole prompt
     /// (`None`: it does not, or no prediction). `conversation`: its
     /// digest ([`crate::store::ConvKey::digest`], 0: none), shared with
@@ -350,10 +340,11 @@ impl LoadBook {
         engine: u16,
         tokens: u64,
         compute_ms: Option<f64>,
-        pulled: bool,
+        pull: Option<u64>,
         abandon: Option<Abandon>,
         conversation: u64,
     ) -> PrefillGuard {
+        let pulled = pull.is_some();
         let compute_ms = compute_ms.filter(|m| m.is_finite() && *m >= 0.0);
         let compute_us = compute_ms.map_or(0, |m| (m * 1e3) as u64);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -383,7 +374,7 @@ impl LoadBook {
                 read_end_ms,
                 noticed: abandon_in.is_some_and(|a| a.noticed),
                 conversation,
-                pull: 0,
+                pull: pull.unwrap_or(0),
             });
         }
         if let Some(m) = compute_ms {
@@ -420,10 +411,13 @@ impl LoadBook {
     /// their deadline). Returns whether this replica has that pull
     /// outstanding (another replica's, or one already answered: ignored).
     pub fn pull_abandoned(&self, digest: u64) -> bool {
+        if digest == 0 {
+            return false;
+        }
         let now = self.clock.now_ms();
         for e in &self.engines {
             let mut f = e.fifo.lock();
-            if let Some(x) = f.items.iter_mut().find(|x| x.pull == digest && digest != 0) {
+            if let Some(x) = f.items.iter_mut().find(|x| x.pull == digest) {
                 if x.pulled {
                     *x = Item {
                         sent_ms: now,

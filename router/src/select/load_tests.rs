@@ -10,8 +10,8 @@ fn book(n: usize) -> (Arc<LoadBook>, Arc<ManualClock>) {
 #[test]
 fn guards_count_while_alive() {
     let (b, _) = book(3);
-    let g1 = b.begin_prefill(0, 100, None, false, None, 0);
-    let g2 = b.begin_prefill(0, 50, None, false, None, 0);
+    let g1 = b.begin_prefill(0, 100, None, None, None, 0);
+    let g2 = b.begin_prefill(0, 50, None, None, None, 0);
     let d = b.begin_decode(2);
     assert_eq!(b.outstanding_prefill_tokens(0), 150);
     assert_eq!(b.inflight_decode_streams(2), 1);
@@ -20,7 +20,7 @@ fn guards_count_while_alive() {
     drop((g2, d));
     assert_eq!(b.outstanding_prefill_tokens(0), 0);
     assert_eq!(b.inflight_decode_streams(2), 0);
-    let _ = b.begin_prefill(9, 5, None, false, None, 0); // unknown index: ignored
+    let _ = b.begin_prefill(9, 5, None, None, None, 0); // unknown index: ignored
     assert_eq!(b.kv_usage(2), None, "not reported");
     b.set_kv_usage(2, Some(0.42));
     assert_eq!(b.kv_usage(2), Some(0.42));
@@ -34,8 +34,8 @@ fn guards_count_while_alive() {
 fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
     let (b, _) = book(2);
     assert_eq!(b.queue_ms(0, 0), None, "no prediction yet");
-    let g = b.begin_prefill(0, 1000, Some(100.0), false, None, 0);
-    let _h = b.begin_prefill(0, 1000, Some(200.0), false, None, 0); // mean 100 + 0.2 × 100 = 120
+    let g = b.begin_prefill(0, 1000, Some(100.0), None, None, 0);
+    let _h = b.begin_prefill(0, 1000, Some(200.0), None, None, 0); // mean 100 + 0.2 × 100 = 120
     assert_eq!(b.queue_ms(0, 0), Some(300.0));
     assert_eq!(b.queue_ms(1, 0), Some(0.0));
     // Two requests this replica does not know of: the mean each.
@@ -82,7 +82,7 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
     b.set_reported_requests(1, Some(1));
     assert_eq!(b.queue_ms(1, 0), Some(200.0));
     // Once this replica predicts, its own mean rules.
-    let _g = b.begin_prefill(1, 1000, Some(50.0), false, None, 0);
+    let _g = b.begin_prefill(1, 1000, Some(50.0), None, None, 0);
     assert_eq!(b.queue_ms(1, 0), Some(50.0), "the one reported is its own");
     b.set_reported_requests(1, Some(2));
     assert_eq!(b.queue_ms(1, 0), Some(100.0));
@@ -92,9 +92,9 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
 fn remaining_work_counts_down_as_the_head_computes() {
     let (b, clock) = book(1);
     clock.advance(1000);
-    let g1 = b.begin_prefill(0, 10, Some(600.0), false, None, 0);
+    let g1 = b.begin_prefill(0, 10, Some(600.0), None, None, 0);
     clock.advance(100);
-    let g2 = b.begin_prefill(0, 10, Some(300.0), false, None, 0);
+    let g2 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
     assert_eq!(
         b.remaining_ms(0, 1100),
         800.0,
@@ -115,7 +115,7 @@ fn remaining_work_counts_down_as_the_head_computes() {
     );
     assert_eq!(b.queue_ms(0, 1600), Some(200.0));
     // One that answers out of order leaves the head's start alone.
-    let g3 = b.begin_prefill(0, 10, Some(50.0), false, None, 0);
+    let g3 = b.begin_prefill(0, 10, Some(50.0), None, None, 0);
     drop(g3);
     assert_eq!(b.remaining_ms(0, 1600), 200.0);
     drop(g2);
@@ -128,10 +128,10 @@ fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
     let (b, clock) = book(1);
     clock.advance(1000);
     // A pull whose READ runs long (a degraded path), then two recomputes.
-    let pull = b.begin_prefill(0, 10, Some(400.0), true, None, 0);
+    let pull = b.begin_prefill(0, 10, Some(400.0), Some(0), None, 0);
     clock.advance(10);
-    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
-    let r2 = b.begin_prefill(0, 10, Some(300.0), false, None, 0);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
+    let r2 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
     // Before anything answers, the pull is assumed at the head.
     assert_eq!(b.remaining_ms(0, 1010), 790.0);
     clock.advance(100);
@@ -151,30 +151,56 @@ fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
     drop(pull);
     assert_eq!(b.remaining_ms(0, 1210), 0.0);
     // A recompute is never overtaken: P computes in order.
-    let slow = b.begin_prefill(0, 10, Some(400.0), false, None, 0);
-    let quick = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let slow = b.begin_prefill(0, 10, Some(400.0), None, None, 0);
+    let quick = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     drop(quick);
     assert_eq!(b.remaining_ms(0, 1110), 400.0, "sent at 1110");
     drop(slow);
 }
 
-#[test]
-fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
-    let (b, clock) = book(1);
-    clock.advance(1000);
-    // A pull (50 ms of suffix) that P's agent abandons after 600 ms,
-    // then recomputes in 900 ms; a recompute of 100 ms overtakes it.
-    let abandon = Abandon {
+/// A pull's abandon foreseen at 600 ms, then 900 ms of whole-prompt
+/// recompute; its READ due after 20 ms.
+fn abandon_at_600(noticed: bool) -> Abandon {
+    Abandon {
         after_ms: 600.0,
         compute_ms: 900.0,
         read_ms: 20.0,
-        noticed: false,
-    };
-    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
+        noticed,
+    }
+}
+
+/// At 1000 ms, a pull (50 ms of suffix, [`abandon_at_600`], `digest`) on
+/// engine 0; a recompute of 100 ms sent past the READ's predicted end
+/// overtakes it, answered at 1130 ms (the clock's time on return).
+fn overtaken_pull(
+    b: &Arc<LoadBook>,
+    clock: &ManualClock,
+    noticed: bool,
+    digest: u64,
+) -> PrefillGuard {
+    clock.advance(1000);
+    let pull = b.begin_prefill(
+        0,
+        10,
+        Some(50.0),
+        Some(digest),
+        Some(abandon_at_600(noticed)),
+        0,
+    );
     clock.advance(30); // past the READ's predicted end
-    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     clock.advance(100);
     drop(r1);
+    pull
+}
+
+#[test]
+fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
+    let (b, clock) = book(1);
+    // A pull that P's agent abandons after 600 ms, then recomputes in
+    // 900 ms; a recompute of 100 ms overtakes it.
+    let pull = overtaken_pull(&b, &clock, false, 0);
+    let abandon = abandon_at_600(false);
     assert_eq!(b.remaining_ms(0, 1130), 0.0, "READing: not in P's line");
     assert_eq!(b.remaining_ms(0, 1599), 0.0);
     // At the deadline P recomputes the whole prompt, from then on.
@@ -183,17 +209,17 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
     assert_eq!(b.own_line(0, 1800).unwrap().items, vec![(200, 900_000)]);
     // No longer a pull: a later prefill answered first does not take
     // it out of the line again.
-    let r2 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let r2 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     drop(r2);
     assert_eq!(b.remaining_ms(0, 1800), 700.0);
     drop(pull);
     assert_eq!(b.remaining_ms(0, 1800), 0.0);
     // A recompute carries no deadline; a pull not overtaken may hold
     // its KV and wait in P's line: neither changes at the deadline.
-    let r = b.begin_prefill(0, 10, Some(100.0), false, Some(abandon), 0);
+    let r = b.begin_prefill(0, 10, Some(100.0), None, Some(abandon), 0);
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
     drop(r);
-    let _p = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
+    let _p = b.begin_prefill(0, 10, Some(50.0), Some(0), Some(abandon), 0);
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
 }
 
@@ -205,14 +231,12 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
     // reaches P's line first (the pull joins it once its READ ends) and
     // is answered first: the pull is not late, it waits in P's line.
     let abandon = Abandon {
-        after_ms: 600.0,
-        compute_ms: 900.0,
         read_ms: 120.0,
-        noticed: false,
+        ..abandon_at_600(false)
     };
-    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
+    let pull = b.begin_prefill(0, 10, Some(50.0), Some(0), Some(abandon), 0);
     clock.advance(10);
-    let r1 = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     clock.advance(100);
     drop(r1);
     assert_eq!(b.remaining_ms(0, 1110), 50.0, "in P's line, starting now");
@@ -226,15 +250,15 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
 fn a_pull_its_agent_says_ended_without_the_blocks_is_a_whole_recompute_from_then() {
     let (b, clock) = book(2);
     clock.advance(1000);
-    let abandon = Abandon {
-        after_ms: 600.0,
-        compute_ms: 900.0,
-        read_ms: 20.0,
-        noticed: false,
-    };
-    let pull = b.begin_prefill(1, 10, Some(50.0), true, Some(abandon), 0);
     let digest = pull_digest("d0", "cmpl-7");
-    pull.track_pull(digest);
+    let pull = b.begin_prefill(
+        1,
+        10,
+        Some(50.0),
+        Some(digest),
+        Some(abandon_at_600(false)),
+        0,
+    );
     assert_eq!(b.remaining_ms(1, 1000), 50.0, "booked as its suffix");
     // Cut at 127 ms, not overtaken: without the notice the book keeps the
     // suffix (the pull may be waiting in P's line with its KV).
@@ -256,7 +280,7 @@ fn a_pull_its_agent_says_ended_without_the_blocks_is_a_whole_recompute_from_then
     assert!(!b.pull_abandoned(digest), "answered: gone from the book");
     assert_eq!(b.remaining_ms(1, 1327), 0.0);
     // Untracked prefills never match.
-    let _r = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
+    let _r = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     assert!(!b.pull_abandoned(0));
 }
 
@@ -264,7 +288,7 @@ fn a_pull_its_agent_says_ended_without_the_blocks_is_a_whole_recompute_from_then
 fn shared_lines_merge_with_the_own_one_in_sending_order() {
     let (b, clock) = book(2);
     clock.advance(1000);
-    let _own = b.begin_prefill(0, 10, Some(300.0), false, None, 0); // sent at 1000
+    let _own = b.begin_prefill(0, 10, Some(300.0), None, None, 0); // sent at 1000
     // Another replica sent 500 ms of work at 900 (ahead of ours) and
     // 200 ms at 1050.
     b.set_shared_line(
@@ -363,9 +387,9 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
 #[test]
 fn own_lines_name_their_conversations() {
     let (b, _) = book(2);
-    let g = b.begin_prefill(0, 10, Some(100.0), false, None, 42);
-    let h = b.begin_prefill(0, 10, Some(100.0), false, None, 0);
-    let i = b.begin_prefill(1, 10, Some(100.0), false, None, 0);
+    let g = b.begin_prefill(0, 10, Some(100.0), None, None, 42);
+    let h = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
+    let i = b.begin_prefill(1, 10, Some(100.0), None, None, 0);
     assert!(
         b.own_line(1, 0).unwrap().conversations.is_empty(),
         "none named"
@@ -377,24 +401,14 @@ fn own_lines_name_their_conversations() {
 #[test]
 fn a_pull_whose_agent_notices_its_cuts_is_not_assumed_cut_at_the_deadline() {
     let (b, clock) = book(1);
-    clock.advance(1000);
     // As in an_abandoned_pull_reenters_the_line_as_a_whole_recompute, but
     // P's agent sends notices: overtaken and past its deadline, the pull
     // is still READing (its agent cuts only on its progress), not in line.
-    let abandon = Abandon {
-        after_ms: 600.0,
-        compute_ms: 900.0,
-        read_ms: 20.0,
-        noticed: true,
-    };
-    let pull = b.begin_prefill(0, 10, Some(50.0), true, Some(abandon), 0);
-    pull.track_pull(pull_digest("d0", "r"));
-    clock.advance(30);
-    drop(b.begin_prefill(0, 10, Some(100.0), false, None, 0));
+    let pull = overtaken_pull(&b, &clock, true, pull_digest("d0", "r"));
     assert_eq!(b.remaining_ms(0, 1600), 0.0, "no assumed cut");
     assert_eq!(b.remaining_ms(0, 2500), 0.0);
     // The notice comes at 2.5 s: the whole prompt from then.
-    clock.advance(1470);
+    clock.advance(1370);
     assert!(b.pull_abandoned(pull_digest("d0", "r")));
     assert_eq!(b.remaining_ms(0, 2500), 900.0);
     drop(pull);
