@@ -23,7 +23,7 @@
 //! | `kvloop_agent_threshold_tokens` | gauge | `prefill`, `decode` | published recompute threshold |
 //! | `kvloop_agent_threshold_changes` | counter | `prefill`, `decode` | threshold changes |
 //! | `kvloop_agent_pushes` | counter | `router`, `result` | threshold push attempts (`ok`, `error`) |
-//! | `kvloop_agent_pull_notices` | counter | `router`, `result` | notices to the routers that a pull's READ ended without the blocks (`ok`, `error`; `kvloop_router_api::PullAbandoned`) |
+//! | `kvloop_agent_pull_notices` | counter | `router`, `notice`, `result` | notices to the routers that a pull's READ ended (`notice`: `read` with the blocks, `abandoned` without them; `result`: `ok`, `error`; `kvloop_router_api::PullNotice`) |
 //! | `kvloop_agent_pushes_early` | counter | `reason` | pushes made at once after a refit instead of at the next period (`pair_set`, `threshold`, `model`: `kvloop_costmodel::urgent_push`) |
 //! | `kvloop_agent_retention` | counter | `action`, `outcome` | router retention decisions (`release`, `keep`) applied here or forwarded: `released`, `deferred`, `kept`, `unknown`, `forwarded`, `error` |
 //! | `kvloop_agent_link_up` / `_link_speed_mbps` / `_link_mtu` | gauge | `interface` | rtnetlink link state (speed from sysfs) |
@@ -96,7 +96,7 @@ pub struct Metrics {
     pub pushes: Family<Labels, Counter>,
     /// Early pushes by reason.
     pub pushes_early: Family<Labels, Counter>,
-    /// Abandoned-pull notices per router and result.
+    /// Pull notices per router, notice (`read`, `abandoned`) and result.
     pub pull_notices: Family<Labels, Counter>,
     /// Router retention decisions by action and outcome.
     pub retention: Family<Labels, Counter>,
@@ -225,7 +225,7 @@ impl Metrics {
         );
         r.register(
             "pull_notices",
-            "Notices to the routers that a pull's READ ended without the blocks, per router",
+            "Notices to the routers that a pull's READ ended (with the blocks or without), per router",
             self.pull_notices.clone(),
         );
         r.register(

@@ -341,9 +341,15 @@ async fn reads_both_ways_land_byte_exact_through_two_agents() {
     );
     assert!(
         m.contains(
-            "kvloop_agent_pull_notices_total{router=\"http://127.0.0.1:1\",result=\"error\"}"
+            "kvloop_agent_pull_notices_total{router=\"http://127.0.0.1:1\",notice=\"abandoned\",result=\"error\"}"
         ),
         "the declined READ's notice was sent to the router (down): {m}"
+    );
+    assert!(
+        m.contains(
+            "kvloop_agent_pull_notices_total{router=\"http://127.0.0.1:1\",notice=\"read\",result=\"error\"}"
+        ),
+        "the completed D→P READ's notice was sent to the router (down): {m}"
     );
     let h = reqwest::get(format!("http://{}/healthz", a.http))
         .await

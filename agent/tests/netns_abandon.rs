@@ -258,6 +258,7 @@ async fn a_read_over_a_link_that_just_slowed_is_abandoned_and_its_blocks_quarant
     assert!(
         sent.lines()
             .any(|l| l.starts_with("kvloop_agent_pull_notices_total{")
+                && l.contains(r#"notice="abandoned""#)
                 && l.contains(r#"result="ok""#)),
         "{sent}"
     );

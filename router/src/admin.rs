@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kvloop_router_api::{PullAbandoned, ThresholdUpdate};
+use kvloop_router_api::{PullNotice, ThresholdUpdate};
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
@@ -242,7 +242,7 @@ pub async fn put_thresholds(
     }
 }
 
-/// `POST /admin/pulls/abandoned` ([`kvloop_router_api::PullAbandoned`]):
+/// `POST /admin/pulls/abandoned` ([`kvloop_router_api::PullNotice`]):
 /// P's agent says a pull's READ ended without the blocks, so P is
 /// recomputing the whole prompt; the load book counts it so from now
 /// ([`crate::select::load::LoadBook::pull_abandoned`]). `204` whether or
@@ -252,16 +252,43 @@ pub async fn post_pull_abandoned(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let n = match admit(&s, &headers, &s.metrics.pull_notices, || {
-        PullAbandoned::parse(&body)
-    }) {
+    pull_notice(&s, &headers, &body, &s.metrics.pull_notices, |d| {
+        s.load.pull_abandoned(d)
+    })
+}
+
+/// `POST /admin/pulls/read` ([`kvloop_router_api::PullNotice`]): P's
+/// agent says a pull's READ completed with the blocks, so P's engine now
+/// queues the turn's suffix; the load book counts it in P's line from now
+/// ([`crate::select::load::LoadBook::pull_read`]). `204` whether or not
+/// this replica sent that turn.
+pub async fn post_pull_read(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    pull_notice(&s, &headers, &body, &s.metrics.pull_read_notices, |d| {
+        s.load.pull_read(d)
+    })
+}
+
+/// One pull notice: admitted (token, body), applied to the load book by
+/// `apply` (whether this replica has the pull), counted in `counter`
+/// (`applied`, `unknown`).
+fn pull_notice(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+    counter: &Family<ReasonLabel, Counter>,
+    apply: impl FnOnce(u64) -> bool,
+) -> Response {
+    let n = match admit(s, headers, counter, || PullNotice::parse(body)) {
         Ok(n) => n,
         Err(refused) => return *refused,
     };
     let digest = crate::select::load::pull_digest(&n.decode_engine_id, &n.decode_request_id);
-    let known = s.load.pull_abandoned(digest);
-    s.metrics
-        .pull_notices
+    let known = apply(digest);
+    counter
         .get_or_create(&ReasonLabel {
             reason: if known { "applied" } else { "unknown" },
         })
@@ -269,7 +296,7 @@ pub async fn post_pull_abandoned(
     debug!(
         agent = %n.agent_id, prefill = %n.prefill_engine_id, decode = %n.decode_engine_id,
         request = %n.decode_request_id, after_ms = n.after_ms, cause = %n.cause, known,
-        "pull's READ ended without the blocks: P recomputes"
+        "pull's READ ended"
     );
     StatusCode::NO_CONTENT.into_response()
 }

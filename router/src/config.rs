@@ -3,7 +3,7 @@
 //!
 //! ```toml
 //! listen = "127.0.0.1:8000"          # client-facing address
-//! admin_token = "s3cret"             # bearer token for PUT /admin/thresholds, POST /admin/pulls/abandoned ("" = endpoint disabled)
+//! admin_token = "s3cret"             # bearer token for PUT /admin/thresholds, POST /admin/pulls/{abandoned,read} ("" = disabled)
 //! kv_recompute_threshold = 64        # static threshold, tokens (vLLM default)
 //! store = "memory"                   # or "redis://127.0.0.1:6379/0" (shared by replicas)
 //! policy = "round_robin"             # or "predicted_ttft"
@@ -91,7 +91,7 @@ impl Policy {
 pub struct RouterConfig {
     /// Client-facing listen address [`127.0.0.1:8000`].
     pub listen: SocketAddr,
-    /// Bearer token of `PUT /admin/thresholds` and `POST /admin/pulls/abandoned` (the agents') [`""`: endpoints answer 401].
+    /// Bearer token of `PUT /admin/thresholds` and `POST /admin/pulls/{abandoned,read}` (the agents') [`""`: endpoints answer 401].
     pub admin_token: String,
     /// Header carrying the tenant [`x-tenant-id`].
     pub tenant_header: String,

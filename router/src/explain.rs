@@ -246,6 +246,7 @@ mod tests {
             reuse_ms: 2.0,
             suffix_ms: ttft_ms - 3.0,
             abandon: None,
+            read_noticed: false,
         };
         let s = Selection {
             prefill: 0,

@@ -113,6 +113,11 @@ pub struct Metrics {
     /// outstanding pull, now counted as a recompute; `unknown`: another
     /// replica's or already answered; `rejected`, `unauthorized`).
     pub pull_notices: Family<ReasonLabel, Counter>,
+    /// `kvloop_router_pull_read_notices_total{reason}`: agents' notices
+    /// that a pull's READ completed with the blocks (`applied`: this
+    /// replica's outstanding pull, now in P's compute line; `unknown`,
+    /// `rejected`, `unauthorized` as for `pull_notices`).
+    pub pull_read_notices: Family<ReasonLabel, Counter>,
     /// `kvloop_router_pulls_total{prefill_engine_id,decode_engine_id,outcome}`:
     /// what P reported of the pulls the router asked for.
     pub pulls: Family<PullLabels, Counter>,
@@ -260,6 +265,12 @@ impl Metrics {
             "Agents' notices that a pull's READ ended without the blocks, by outcome",
             pull_notices.clone(),
         );
+        let pull_read_notices = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "pull_read_notices",
+            "Agents' notices that a pull's READ completed with the blocks, by outcome",
+            pull_read_notices.clone(),
+        );
         let pulls = Family::<PullLabels, Counter>::default();
         registry.register(
             "pulls",
@@ -350,6 +361,7 @@ impl Metrics {
             engine_healthy,
             threshold_pushes,
             pull_notices,
+            pull_read_notices,
         }
     }
 

@@ -13,7 +13,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use kvloop_router_api::{PULL_ABANDONED_PATH, THRESHOLDS_PATH};
+use kvloop_router_api::{PULL_ABANDONED_PATH, PULL_READ_PATH, THRESHOLDS_PATH};
 use serde_json::value::RawValue;
 use tracing::{debug, warn};
 
@@ -49,6 +49,7 @@ pub fn app(state: Arc<AppState>) -> Router {
             axum::routing::delete(crate::retention_task::delete_conversation),
         )
         .route(PULL_ABANDONED_PATH, post(crate::admin::post_pull_abandoned))
+        .route(PULL_READ_PATH, post(crate::admin::post_pull_read))
         .route(
             THRESHOLDS_PATH,
             put(crate::admin::put_thresholds).get(crate::admin::get_thresholds),
@@ -314,12 +315,17 @@ async fn route_inner(
     let n_prompt = tokens.as_ref().map(Vec::len);
     // A pulled turn names its pull, for P's agent's notice of a cut.
     let pull = decision.attach.is_some().then(|| {
-        let (Some(d), Some((_, t))) = (&decision.decode_engine_id, &taken) else {
-            return 0;
+        let digest = match (&decision.decode_engine_id, &taken) {
+            (Some(d), Some((_, t))) => t
+                .params
+                .remote_request_id()
+                .map_or(0, |r| crate::select::load::pull_digest(d, &r)),
+            _ => 0,
         };
-        t.params
-            .remote_request_id()
-            .map_or(0, |r| crate::select::load::pull_digest(d, &r))
+        crate::select::load::Pull {
+            digest,
+            read_noticed: chosen.is_some_and(|c| c.read_noticed),
+        }
     });
     let _prefill_load = s.load.begin_prefill(
         p_idx,

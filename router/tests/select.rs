@@ -23,6 +23,7 @@ fn pair(p: &str, xfer_ms_per_token: f64) -> PairThreshold {
             confidence: 1.0,
             abandons_slow_reads: false,
             notices_abandoned_pulls: false,
+            notices_read_pulls: false,
         }),
     }
 }
@@ -110,31 +111,40 @@ async fn predicted_ttft_without_models_alternates_the_prefill_engines() {
 }
 
 #[tokio::test]
-async fn abandoned_pull_notices_are_authenticated_and_validated() {
+async fn pull_notices_are_authenticated_and_validated() {
     let c = Cluster::start(Opts::default()).await;
-    let url = format!(
-        "{}{}",
-        c.router.url(),
-        kvloop_router_api::PULL_ABANDONED_PATH
-    );
-    let notice = json!({"agent_id": "node-a", "prefill_engine_id": "p0",
-        "decode_engine_id": "d0", "decode_request_id": "cmpl-1",
-        "after_ms": 127, "cause": "abandoned"});
-    let send = |token: &'static str, body: serde_json::Value| {
-        c.http.post(&url).bearer_auth(token).json(&body).send()
-    };
-    assert_eq!(send("wrong", notice.clone()).await.unwrap().status(), 401);
-    let mut bad = notice.clone();
-    bad["after_ms"] = json!("soon");
-    let r = send(TOKEN, bad).await.unwrap();
-    assert_eq!(r.status(), 400);
-    let text = r.text().await.unwrap();
-    assert!(text.contains("body.after_ms: expected"), "{text}");
-    // No such pull outstanding here (another replica's): accepted, counted.
-    assert_eq!(send(TOKEN, notice).await.unwrap().status(), 204);
-    for (reason, n) in [("unknown", 1.0), ("rejected", 1.0), ("unauthorized", 1.0)] {
-        let series = format!("kvloop_router_pull_notices_total{{reason=\"{reason}\"}}");
-        assert_eq!(c.metric(&series).await, n, "{series}");
+    for (path, cause, metric) in [
+        (
+            kvloop_router_api::PULL_ABANDONED_PATH,
+            "abandoned",
+            "kvloop_router_pull_notices_total",
+        ),
+        (
+            kvloop_router_api::PULL_READ_PATH,
+            "read",
+            "kvloop_router_pull_read_notices_total",
+        ),
+    ] {
+        let url = format!("{}{path}", c.router.url());
+        let notice = json!({"agent_id": "node-a", "prefill_engine_id": "p0",
+            "decode_engine_id": "d0", "decode_request_id": "cmpl-1",
+            "after_ms": 127, "cause": cause});
+        let send = |token: &'static str, body: serde_json::Value| {
+            c.http.post(&url).bearer_auth(token).json(&body).send()
+        };
+        assert_eq!(send("wrong", notice.clone()).await.unwrap().status(), 401);
+        let mut bad = notice.clone();
+        bad["after_ms"] = json!("soon");
+        let r = send(TOKEN, bad).await.unwrap();
+        assert_eq!(r.status(), 400, "{path}");
+        let text = r.text().await.unwrap();
+        assert!(text.contains("body.after_ms: expected"), "{text}");
+        // No such pull outstanding here (another replica's): accepted, counted.
+        assert_eq!(send(TOKEN, notice).await.unwrap().status(), 204);
+        for (reason, n) in [("unknown", 1.0), ("rejected", 1.0), ("unauthorized", 1.0)] {
+            let series = format!("{metric}{{reason=\"{reason}\"}}");
+            assert_eq!(c.metric(&series).await, n, "{series}");
+        }
     }
     // The router keeps serving.
     let (st, _) = c.chat(None, "after", &[user("hi")], false, json!({})).await;

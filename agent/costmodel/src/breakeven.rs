@@ -102,6 +102,7 @@ pub fn router_coefficients(
         confidence: confidence.clamp(0.0, 1.0),
         abandons_slow_reads: false,
         notices_abandoned_pulls: false,
+        notices_read_pulls: false,
     }
 }
 
@@ -239,6 +240,7 @@ mod tests {
             prefill_ms_per_token_ctx: k2,
             abandons_slow_reads: false,
             notices_abandoned_pulls: false,
+            notices_read_pulls: false,
             confidence: 1.0,
         }
     }

@@ -122,6 +122,7 @@ mod tests {
             confidence: 0.9,
             abandons_slow_reads: false,
             notices_abandoned_pulls: false,
+            notices_read_pulls: false,
         }
     }
 

@@ -455,6 +455,7 @@ mod tests {
                 confidence: conf,
                 abandons_slow_reads: false,
                 notices_abandoned_pulls: false,
+                notices_read_pulls: false,
             },
             raw_tokens: tokens as f64,
             se_rel,

@@ -121,6 +121,7 @@ proptest! {
             confidence: 1.0,
             abandons_slow_reads: false,
             notices_abandoned_pulls: false,
+            notices_read_pulls: false,
         };
         let r = break_even_tokens(&c);
         prop_assert!(!r.is_nan() && r >= 0.0, "{c:?} -> {r}");

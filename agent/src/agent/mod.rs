@@ -123,9 +123,9 @@ pub struct Agent {
     pulls: Mutex<crate::pulls::PullTracker>,
     /// Notices for the routers that a pull's READ ended without the
     /// blocks (sent by `crate::tasks::notices`; dropped when it lags).
-    pull_notices: tokio::sync::mpsc::Sender<kvloop_router_api::PullAbandoned>,
+    pull_notices: tokio::sync::mpsc::Sender<kvloop_router_api::PullNotice>,
     /// Their receiving end, until the task takes it.
-    pull_notices_rx: Mutex<Option<tokio::sync::mpsc::Receiver<kvloop_router_api::PullAbandoned>>>,
+    pull_notices_rx: Mutex<Option<tokio::sync::mpsc::Receiver<kvloop_router_api::PullNotice>>>,
 }
 
 pub use crate::config::is_own_peer_entry;
@@ -221,7 +221,7 @@ impl Agent {
     /// one task sends them).
     pub fn take_pull_notices(
         &self,
-    ) -> Option<tokio::sync::mpsc::Receiver<kvloop_router_api::PullAbandoned>> {
+    ) -> Option<tokio::sync::mpsc::Receiver<kvloop_router_api::PullNotice>> {
         self.pull_notices_rx.lock().take()
     }
 

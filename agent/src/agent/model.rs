@@ -240,7 +240,7 @@ impl Agent {
     /// number. A pair's model says `abandons_slow_reads` (and
     /// `notices_abandoned_pulls`) when `abandon_slow_reads` is on and this
     /// agent hosts its prefill engine (managed mode: the agent owns its
-    /// READs).
+    /// READs), and `notices_read_pulls` when it hosts that engine.
     pub fn threshold_update(&self) -> ThresholdUpdate {
         let mut pairs = self
             .model
@@ -254,6 +254,8 @@ impl Agent {
                     self.cfg.abandon_slow_reads && self.engine(&p.prefill_engine_id).is_ok();
                 // It tells the routers when it does (`crate::tasks::notices`).
                 m.notices_abandoned_pulls = m.abandons_slow_reads;
+                // And, owning P's READs, when one completes.
+                m.notices_read_pulls = self.engine(&p.prefill_engine_id).is_ok();
             }
         }
         self.last_pushed.lock().clone_from(&pairs);

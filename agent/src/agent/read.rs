@@ -3,7 +3,7 @@
 //! pull outcomes per pair, and the mapping of dataplane errors to the local
 //! API's typed errors.
 use super::*;
-use kvloop_router_api::PullAbandoned;
+use kvloop_router_api::PullNotice;
 
 /// Counts a READ in `kvloop_agent_reads_in_flight` until dropped (also
 /// when the caller's future is cancelled mid-READ).
@@ -176,6 +176,13 @@ impl Agent {
                 if let Some(peer) = &peer {
                     self.record_own_read(peer, &o, SampleSource::Userspace);
                 }
+                if let (Some(n), ReadDirection::D2p) = (&req.notify, direction) {
+                    self.notice_pull_ended(
+                        (engine_id, peer_engine_id, &n.owner_request_id),
+                        started.elapsed().as_millis() as u64,
+                        PullNotice::READ,
+                    );
+                }
                 Ok(o)
             }
             Err(failed) => {
@@ -236,11 +243,13 @@ impl Agent {
     }
 
     /// Queues for the routers ([`crate::tasks::notices`]) that the READ of
-    /// `(reader engine, owner engine, owner's request id)` ended without
-    /// the blocks after `after_ms` (`cause`: `abandoned`, `failed`,
-    /// `declined`): the engine recomputes the whole prompt, and the router
-    /// that sent it counts P busy with that from now instead of when P
-    /// answers. Not queued without routers; dropped when the queue is full.
+    /// `(reader engine, owner engine, owner's request id)` ended after
+    /// `after_ms`: with the blocks (`cause` [`PullNotice::READ`]: the
+    /// engine queues the turn's suffix now), or without them (`abandoned`,
+    /// `failed`, `declined`: the engine recomputes the whole prompt). The
+    /// router that sent the turn counts P's line from now instead of
+    /// guessing until P answers. Not queued without routers; dropped when
+    /// the queue is full.
     fn notice_pull_ended(
         &self,
         (reader, owner, request): (&str, &str, &str),
@@ -250,7 +259,7 @@ impl Agent {
         if self.cfg.routers.is_empty() {
             return;
         }
-        let n = PullAbandoned {
+        let n = PullNotice {
             agent_id: self.cfg.agent_id.clone(),
             prefill_engine_id: reader.to_string(),
             decode_engine_id: owner.to_string(),
@@ -259,7 +268,7 @@ impl Agent {
             cause: cause.to_string(),
         };
         if self.pull_notices.try_send(n).is_err() {
-            tracing::debug!("abandoned-pull notice queue full; notice dropped");
+            tracing::debug!("pull notice queue full; notice dropped");
         }
     }
 

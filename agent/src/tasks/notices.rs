@@ -1,14 +1,18 @@
-//! Abandoned-pull notices: when a managed READ of D's blocks ends without
-//! them (abandoned as slower than recomputing, failed, or declined by D's lease), P recomputes the
-//! whole prompt; every router address hears of it at once
-//! (`POST` [`kvloop_router_api::PULL_ABANDONED_PATH`]), so that the replica
-//! that sent the turn counts P busy with that recompute now rather than
-//! when P answers. One attempt per address: a notice is worth something
-//! only while P recomputes. Addresses as the threshold pushes resolve them
-//! ([`super::push::targets`]).
+//! Pull notices: when a managed READ of D's blocks ends, every router
+//! address hears of it at once ([`kvloop_router_api::PullNotice`]).
+//! * Without the blocks (abandoned as slower than recomputing, failed, or
+//!   declined by D's lease: `POST` [`kvloop_router_api::PULL_ABANDONED_PATH`]),
+//!   P recomputes the whole prompt.
+//! * With them (`POST` [`kvloop_router_api::PULL_READ_PATH`]), P's engine
+//!   queues the turn's suffix.
+//!
+//! Either way the replica that sent the turn counts P's compute line from
+//! now rather than guessing until P answers. One attempt per address: a
+//! notice is worth something only while P holds the turn. Addresses as the
+//! threshold pushes resolve them ([`super::push::targets`]).
 use std::sync::Arc;
 
-use kvloop_router_api::{PULL_ABANDONED_PATH, PullAbandoned};
+use kvloop_router_api::PullNotice;
 
 use super::push::{Sent, send_json};
 use crate::agent::Agent;
@@ -33,16 +37,16 @@ pub async fn run(agent: Arc<Agent>) {
     }
 }
 
-async fn send_one(agent: &Agent, base: &str, token: Option<&str>, n: &PullAbandoned) {
-    let url = format!("{}{}", base.trim_end_matches('/'), PULL_ABANDONED_PATH);
+async fn send_one(agent: &Agent, base: &str, token: Option<&str>, n: &PullNotice) {
+    let url = format!("{}{}", base.trim_end_matches('/'), n.path());
     let ok = match send_json(agent, reqwest::Method::POST, &url, token, n).await {
         Sent::Ok => true,
         Sent::Refused(st, body) => {
-            tracing::warn!(router = %base, status = %st, %body, "abandoned-pull notice refused");
+            tracing::warn!(router = %base, status = %st, %body, cause = %n.cause, "pull notice refused");
             false
         }
         Sent::Failed(e) => {
-            tracing::debug!(router = %base, error = %e, "abandoned-pull notice failed");
+            tracing::debug!(router = %base, error = %e, cause = %n.cause, "pull notice failed");
             false
         }
     };
@@ -51,6 +55,14 @@ async fn send_one(agent: &Agent, base: &str, token: Option<&str>, n: &PullAbando
         .pull_notices
         .get_or_create(&labels(&[
             ("router", base),
+            (
+                "notice",
+                if n.cause == PullNotice::READ {
+                    "read"
+                } else {
+                    "abandoned"
+                },
+            ),
             ("result", if ok { "ok" } else { "error" }),
         ]))
         .inc();

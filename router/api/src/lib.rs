@@ -23,7 +23,7 @@ pub mod sse;
 pub mod streak;
 
 pub use kv_params::{BlockIds, KvTransferParams, ParamsError};
-pub use notice::{NoticeError, PULL_ABANDONED_PATH, PullAbandoned};
+pub use notice::{NoticeError, PULL_ABANDONED_PATH, PULL_READ_PATH, PullNotice};
 pub use sse::{SseEvent, SseParser};
 
 use serde::{Deserialize, Serialize};
@@ -124,7 +124,7 @@ pub struct CostModelCoefficients {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub abandons_slow_reads: bool,
     /// The pushing agent also tells the routers at once when a READ over
-    /// this pair is abandoned, fails or is declined ([`PullAbandoned`] at
+    /// this pair is abandoned, fails or is declined ([`PullNotice`] at
     /// [`PULL_ABANDONED_PATH`]). A router then books P's recompute from
     /// that notice, instead of assuming that every pull still READing at
     /// its first overdue mark was cut there: the agent cuts only a READ
@@ -134,6 +134,16 @@ pub struct CostModelCoefficients {
     /// (this struct denies unknown fields: upgrade routers first).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub notices_abandoned_pulls: bool,
+    /// The pushing agent owns P's READs over this pair (managed mode) and
+    /// tells the routers at once when one completes with the blocks
+    /// ([`PullNotice`] at [`PULL_READ_PATH`]). A router then counts such
+    /// a pull in P's compute line from that notice on, and not before:
+    /// P's engine computes other turns while the READ runs, and a pull
+    /// counted at its place in line from the moment it was sent made P
+    /// look busy for as long as a slow READ lasted. Sent only when true
+    /// (this struct denies unknown fields: upgrade routers first).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub notices_read_pulls: bool,
 }
 
 impl CostModelCoefficients {

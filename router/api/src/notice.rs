@@ -1,24 +1,42 @@
-//! The abandoned-pull notice an agent sends the routers
-//! ([`PULL_ABANDONED_PATH`], [`PullAbandoned`]) and its parsing, which
-//! names the bad field.
+//! The pull notices an agent sends the routers ([`PullNotice`]): that a
+//! pull's READ ended without the blocks ([`PULL_ABANDONED_PATH`]), or that
+//! it ended with them ([`PULL_READ_PATH`]); and their parsing, which names
+//! the bad field.
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// Path of the abandoned-pull notice: `POST` with the same bearer token as
-/// [`crate::THRESHOLDS_PATH`] and a JSON body [`PullAbandoned`]; `204 No
+/// [`crate::THRESHOLDS_PATH`] and a JSON body [`PullNotice`]; `204 No
 /// Content` whether or not the router knows the pull, `401` on a wrong
 /// token, `400` naming the bad field ([`NoticeError`]).
 pub const PULL_ABANDONED_PATH: &str = "/admin/pulls/abandoned";
 
+/// Path of the read-pull notice: the READ of D's blocks completed, so P's
+/// engine now queues the turn's suffix for compute. Same method, token,
+/// body ([`PullNotice`], `cause` `"read"`) and answers as
+/// [`PULL_ABANDONED_PATH`]. Sent by agents that say
+/// `notices_read_pulls` in their pushed models
+/// ([`crate::CostModelCoefficients::notices_read_pulls`]).
+pub const PULL_READ_PATH: &str = "/admin/pulls/read";
+
 /// Sent by P's agent to every router address at once when a managed READ
-/// of D's blocks ends without them (abandoned as slower than recomputing,
-/// failed, or declined by D's lease): P now recomputes the whole prompt. The router that sent the
-/// turn would otherwise learn it only when P answers, and keep counting P
-/// busy for a READ's time instead of a whole prompt's compute. A router
-/// that did not send the turn (another replica) ignores it. Unknown fields
-/// are ignored (newer agents may send more).
+/// of D's blocks ends.
+///
+/// * Without the blocks (abandoned as slower than recomputing, failed, or
+///   declined by D's lease), to [`PULL_ABANDONED_PATH`]: P now recomputes
+///   the whole prompt. The router that sent the turn would otherwise learn
+///   it only when P answers, and keep counting P busy for a READ's time
+///   instead of a whole prompt's compute.
+/// * With the blocks, to [`PULL_READ_PATH`]: P's engine schedules a
+///   request once its remote KV arrived (vLLM's NIXL connector;
+///   `kvloop-engine-sim` likewise), so the turn joins P's compute line
+///   now. Until then the router does not count it ahead of turns P
+///   computes while the READ runs.
+///
+/// A router that did not send the turn (another replica) ignores it.
+/// Unknown fields are ignored (newer agents may send more).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PullAbandoned {
+pub struct PullNotice {
     /// Identity of the sending agent (its node name).
     pub agent_id: String,
     /// Engine id of the reader (P).
@@ -31,8 +49,9 @@ pub struct PullAbandoned {
     pub decode_request_id: String,
     /// How long the READ ran before it ended, ms.
     pub after_ms: u64,
-    /// Why: `"abandoned"` (slower than recomputing), `"failed"`, or
-    /// `"declined"` (D's lease did not cover the blocks: nothing was read).
+    /// How it ended: `"read"` (with the blocks), `"abandoned"` (slower
+    /// than recomputing), `"failed"`, or `"declined"` (D's lease did not
+    /// cover the blocks: nothing was read).
     pub cause: String,
 }
 
@@ -46,7 +65,20 @@ pub struct NoticeError {
     pub expected: &'static str,
 }
 
-impl PullAbandoned {
+impl PullNotice {
+    /// The cause of a READ that completed with the blocks.
+    pub const READ: &'static str = "read";
+
+    /// The path this notice goes to: [`PULL_READ_PATH`] for
+    /// [`PullNotice::READ`], [`PULL_ABANDONED_PATH`] for every other cause.
+    pub fn path(&self) -> &'static str {
+        if self.cause == Self::READ {
+            PULL_READ_PATH
+        } else {
+            PULL_ABANDONED_PATH
+        }
+    }
+
     /// Parses a notice body.
     ///
     /// # Errors
@@ -92,8 +124,8 @@ impl PullAbandoned {
 mod tests {
     use super::*;
 
-    fn notice() -> PullAbandoned {
-        PullAbandoned {
+    fn notice() -> PullNotice {
+        PullNotice {
             agent_id: "node-a".into(),
             prefill_engine_id: "p0".into(),
             decode_engine_id: "d0".into(),
@@ -108,7 +140,7 @@ mod tests {
         let mut v = serde_json::to_value(notice()).unwrap();
         v["later"] = serde_json::json!(1);
         let body = serde_json::to_vec(&v).unwrap();
-        assert_eq!(PullAbandoned::parse(&body).unwrap(), notice());
+        assert_eq!(PullNotice::parse(&body).unwrap(), notice());
     }
 
     #[test]
@@ -116,7 +148,7 @@ mod tests {
         let with = |field: &str, x: Value| {
             let mut v = serde_json::to_value(notice()).unwrap();
             v[field] = x;
-            PullAbandoned::parse(&serde_json::to_vec(&v).unwrap())
+            PullNotice::parse(&serde_json::to_vec(&v).unwrap())
                 .unwrap_err()
                 .to_string()
         };
@@ -129,13 +161,9 @@ mod tests {
             "body.decode_request_id: expected a non-empty string"
         );
         assert_eq!(
-            PullAbandoned::parse(b"[1]").unwrap_err().to_string(),
+            PullNotice::parse(b"[1]").unwrap_err().to_string(),
             "body: expected a JSON object"
         );
-        assert_eq!(
-            PullAbandoned::parse(b"{").unwrap_err().field,
-            ".",
-            "not JSON"
-        );
+        assert_eq!(PullNotice::parse(b"{").unwrap_err().field, ".", "not JSON");
     }
 }

@@ -47,8 +47,12 @@ struct Item {
     /// Digest of its conversation (0: none), shared with the line.
     conversation: u64,
     /// Its pull's [`pull_digest`] (0: none or not known), matched by
-    /// [`LoadBook::pull_abandoned`].
+    /// [`LoadBook::pull_abandoned`] and [`LoadBook::pull_read`].
     pull: u64,
+    /// P's agent notices the end of its READ ([`Pull::read_noticed`]):
+    /// while `pulled`, it is READing and holds no place in P's compute
+    /// line; [`LoadBook::pull_read`] queues it.
+    read_noticed: bool,
 }
 
 impl Fifo {
@@ -77,12 +81,31 @@ impl Fifo {
             }
         }
     }
+
+    /// The pull at `pos` has ended its READ at `now_ms`: it joins P's
+    /// compute line at its tail with `compute_us` of compute (what P's
+    /// engine does: it queues a request once its remote KV arrived, or its
+    /// READ ended without it).
+    fn join_tail(&mut self, pos: usize, compute_us: u64, now_ms: u64) {
+        if let Some(x) = self.items.remove(pos) {
+            self.items.push_back(Item {
+                sent_ms: now_ms,
+                compute_us,
+                pulled: false,
+                overtaken: false,
+                abandon: None,
+                read_end_ms: None,
+                ..x
+            });
+        }
+    }
 }
 
 impl Item {
-    /// In P's compute line (not READing past its turn).
+    /// In P's compute line (not READing past its turn, nor READing with
+    /// its end to be noticed).
     fn queued(&self) -> bool {
-        !self.overtaken
+        !(self.overtaken || (self.pulled && self.read_noticed))
     }
 }
 
@@ -132,6 +155,22 @@ pub struct Abandon {
     /// `notices_abandoned_pulls` in its model): the book waits for that
     /// instead of assuming the cut at `after_ms` ([`Fifo::settle`]).
     pub noticed: bool,
+}
+
+/// A pulled prefill, for [`LoadBook::begin_prefill`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pull {
+    /// Its [`pull_digest`] (0: not known), which the agent's notices
+    /// match ([`LoadBook::pull_abandoned`], [`LoadBook::pull_read`]).
+    pub digest: u64,
+    /// P's agent notices when its READ completes (`notices_read_pulls`
+    /// in its model; [`super::Prediction::read_noticed`]): it is not in
+    /// P's compute line until then, since P computes other turns while it
+    /// READs, and joins the line's tail at the notice. Without it, a pull
+    /// holds its place in line from when it was sent (see
+    /// [`PrefillGuard`] for how a pull overtaken leaves it). Ignored with
+    /// a digest of 0 (no notice could match it).
+    pub read_noticed: bool,
 }
 
 /// Weight of a new sample in the measured prefill cost (EWMA).
@@ -265,9 +304,12 @@ impl Drop for PrefillGuard {
                     // Sent before x's READ was due to end, `done` may have
                     // reached P's line first: x's READ is not late, x
                     // joined the line behind `done` and starts now.
+                    // One whose READ's end is noticed is not in line
+                    // until it is: neither.
                     let late = x.read_end_ms.is_none_or(|end| done >= end);
-                    behind |= x.pulled && !late && !x.overtaken;
-                    x.overtaken |= x.pulled && late;
+                    let guessed = x.pulled && !x.read_noticed;
+                    behind |= guessed && !late && !x.overtaken;
+                    x.overtaken |= guessed && late;
                     was_head &= !x.queued();
                 }
                 if was_head || behind {
@@ -283,7 +325,7 @@ impl Drop for PrefillGuard {
 /// [`LoadBook::pull_abandoned`]: the digest of D's
 /// engine id and the request id its blocks are held under
 /// (`remote_engine_id`, `remote_request_id` of the params sent to P; the
-/// agent's [`kvloop_router_api::PullAbandoned`] carries both). Never 0.
+/// agent's [`kvloop_router_api::PullNotice`] carries both). Never 0.
 pub fn pull_digest(decode_engine_id: &str, decode_request_id: &str) -> u64 {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     h.update(decode_engine_id.as_bytes());
@@ -328,8 +370,7 @@ impl LoadBook {
     /// Count `tokens` (and `compute_ms`, the selection's prediction of
     /// their compute, when there is one) outstanding on prefill engine
     /// `engine` until the guard drops; `pull`: sent with D's params (P
-    /// READs the prefix first), with that pull's [`pull_digest`] (0: not
-    /// known), which [`LoadBook::pull_abandoned`] matches. `abandon`: P's agent abandons that READ
+    /// READs the prefix first, [`Pull`]). `abandon`: P's agent abandons that READ
     /// after [`Abandon::after_ms`] and P then computes the whole prompt
     /// (`None`: it does not, or no prediction). `conversation`: its
     /// digest ([`crate::store::ConvKey::digest`], 0: none), shared with
@@ -340,7 +381,7 @@ impl LoadBook {
         engine: u16,
         tokens: u64,
         compute_ms: Option<f64>,
-        pull: Option<u64>,
+        pull: Option<Pull>,
         abandon: Option<Abandon>,
         conversation: u64,
     ) -> PrefillGuard {
@@ -374,7 +415,8 @@ impl LoadBook {
                 read_end_ms,
                 noticed: abandon_in.is_some_and(|a| a.noticed),
                 conversation,
-                pull: pull.unwrap_or(0),
+                pull: pull.map_or(0, |p| p.digest),
+                read_noticed: pull.is_some_and(|p| p.read_noticed && p.digest != 0),
             });
         }
         if let Some(m) = compute_ms {
@@ -417,17 +459,46 @@ impl LoadBook {
         let now = self.clock.now_ms();
         for e in &self.engines {
             let mut f = e.fifo.lock();
-            if let Some(x) = f.items.iter_mut().find(|x| x.pull == digest) {
-                if x.pulled {
-                    *x = Item {
+            if let Some(pos) = f.items.iter().position(|x| x.pull == digest) {
+                let x = f.items[pos];
+                if x.pulled && x.read_noticed {
+                    // Not in line while it READ: it joins now.
+                    f.join_tail(pos, x.abandon.map_or(x.compute_us, |a| a.1), now);
+                } else if x.pulled {
+                    f.items[pos] = Item {
                         sent_ms: now,
                         compute_us: x.abandon.map_or(x.compute_us, |a| a.1),
                         pulled: false,
                         overtaken: false,
                         abandon: None,
                         read_end_ms: None,
-                        ..*x
+                        ..x
                     };
+                }
+                return true;
+            }
+        }
+        false
+    }
+
+    /// P's agent says the READ of pull `digest` ([`pull_digest`]) completed
+    /// with the blocks: P's engine now queues the turn's suffix, behind
+    /// what it already has (its compute line's tail, from now). Changes
+    /// nothing for a pull whose READ's end is not noticed
+    /// ([`Pull::read_noticed`]: it kept its place in line) or that is no
+    /// longer READing. Returns whether this replica has that pull
+    /// outstanding.
+    pub fn pull_read(&self, digest: u64) -> bool {
+        if digest == 0 {
+            return false;
+        }
+        let now = self.clock.now_ms();
+        for e in &self.engines {
+            let mut f = e.fifo.lock();
+            if let Some(pos) = f.items.iter().position(|x| x.pull == digest) {
+                let x = f.items[pos];
+                if x.pulled && x.read_noticed {
+                    f.join_tail(pos, x.compute_us, now);
                 }
                 return true;
             }

@@ -7,6 +7,22 @@ fn book(n: usize) -> (Arc<LoadBook>, Arc<ManualClock>) {
     (LoadBook::new(n, c.clone()), c)
 }
 
+/// A pull whose READ's end the book guesses (its agent does not notice it).
+fn guessed(digest: u64) -> Option<Pull> {
+    Some(Pull {
+        digest,
+        read_noticed: false,
+    })
+}
+
+/// A pull whose READ's end its agent notices.
+fn read_noticed(digest: u64) -> Option<Pull> {
+    Some(Pull {
+        digest,
+        read_noticed: true,
+    })
+}
+
 #[test]
 fn guards_count_while_alive() {
     let (b, _) = book(3);
@@ -128,7 +144,7 @@ fn a_pull_overtaken_by_a_later_prefill_holds_no_place_in_the_line() {
     let (b, clock) = book(1);
     clock.advance(1000);
     // A pull whose READ runs long (a degraded path), then two recomputes.
-    let pull = b.begin_prefill(0, 10, Some(400.0), Some(0), None, 0);
+    let pull = b.begin_prefill(0, 10, Some(400.0), guessed(0), None, 0);
     clock.advance(10);
     let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     let r2 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
@@ -183,7 +199,7 @@ fn overtaken_pull(
         0,
         10,
         Some(50.0),
-        Some(digest),
+        guessed(digest),
         Some(abandon_at_600(noticed)),
         0,
     );
@@ -219,7 +235,7 @@ fn an_abandoned_pull_reenters_the_line_as_a_whole_recompute() {
     let r = b.begin_prefill(0, 10, Some(100.0), None, Some(abandon), 0);
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
     drop(r);
-    let _p = b.begin_prefill(0, 10, Some(50.0), Some(0), Some(abandon), 0);
+    let _p = b.begin_prefill(0, 10, Some(50.0), guessed(0), Some(abandon), 0);
     assert_eq!(b.remaining_ms(0, 2400), 0.0, "done by then");
 }
 
@@ -234,7 +250,7 @@ fn a_pull_overtaken_before_its_read_was_due_keeps_its_place() {
         read_ms: 120.0,
         ..abandon_at_600(false)
     };
-    let pull = b.begin_prefill(0, 10, Some(50.0), Some(0), Some(abandon), 0);
+    let pull = b.begin_prefill(0, 10, Some(50.0), guessed(0), Some(abandon), 0);
     clock.advance(10);
     let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
     clock.advance(100);
@@ -255,7 +271,7 @@ fn a_pull_its_agent_says_ended_without_the_blocks_is_a_whole_recompute_from_then
         1,
         10,
         Some(50.0),
-        Some(digest),
+        guessed(digest),
         Some(abandon_at_600(false)),
         0,
     );
@@ -412,4 +428,66 @@ fn a_pull_whose_agent_notices_its_cuts_is_not_assumed_cut_at_the_deadline() {
     assert!(b.pull_abandoned(pull_digest("d0", "r")));
     assert_eq!(b.remaining_ms(0, 2500), 900.0);
     drop(pull);
+}
+
+#[test]
+fn a_pull_whose_read_end_is_noticed_joins_the_line_at_the_notice() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    let digest = pull_digest("d0", "cmpl-9");
+    let pull = b.begin_prefill(0, 10, Some(50.0), read_noticed(digest), None, 0);
+    assert_eq!(b.remaining_ms(0, 1000), 0.0, "READing: not in P's line");
+    assert!(b.own_line(0, 1000).unwrap().items.is_empty(), "nor shared");
+    // P computes a turn sent after it while the READ runs.
+    clock.advance(10);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
+    assert_eq!(b.remaining_ms(0, 1060), 50.0, "r1 heads the line");
+    // P answers a short one: nothing in line was overtaken.
+    let r2 = b.begin_prefill(0, 10, Some(5.0), None, None, 0);
+    clock.advance(60);
+    drop(r2);
+    // The READ ends at 1080: the pull joins the tail, behind r1.
+    clock.advance(10);
+    assert!(!b.pull_read(pull_digest("d0", "cmpl-8")), "another pull");
+    assert!(b.pull_read(digest));
+    assert_eq!(b.remaining_ms(0, 1080), 80.0, "r1's last 30 ms, then 50");
+    assert_eq!(
+        b.own_line(0, 1080).unwrap().items,
+        vec![(70, 100_000), (0, 50_000)]
+    );
+    assert!(b.pull_read(digest), "a repeat changes nothing");
+    assert_eq!(b.remaining_ms(0, 1080), 80.0);
+    clock.advance(30);
+    drop(r1);
+    assert_eq!(b.remaining_ms(0, 1110), 50.0, "P starts the pull now");
+    drop(pull);
+    assert!(!b.pull_read(digest), "answered: gone from the book");
+    assert!(!b.pull_read(0));
+    // Without a digest no notice can match: the book guesses as before.
+    let _blind = b.begin_prefill(0, 10, Some(50.0), read_noticed(0), None, 0);
+    assert_eq!(b.remaining_ms(0, 1110), 50.0, "in line from the start");
+}
+
+#[test]
+fn a_noticed_pull_cut_joins_the_line_as_a_whole_recompute_at_its_tail() {
+    let (b, clock) = book(1);
+    clock.advance(1000);
+    let r1 = b.begin_prefill(0, 10, Some(100.0), None, None, 0);
+    let digest = pull_digest("d0", "cmpl-10");
+    let pull = b.begin_prefill(
+        0,
+        10,
+        Some(50.0),
+        read_noticed(digest),
+        Some(abandon_at_600(true)),
+        0,
+    );
+    clock.advance(50);
+    assert_eq!(b.remaining_ms(0, 1050), 50.0, "r1 only");
+    assert!(b.pull_abandoned(digest));
+    assert_eq!(b.remaining_ms(0, 1050), 950.0, "r1's rest, then 900");
+    // A read notice after the cut (out of order) changes nothing.
+    assert!(b.pull_read(digest));
+    assert_eq!(b.remaining_ms(0, 1050), 950.0);
+    drop((r1, pull));
 }

@@ -182,6 +182,10 @@ pub struct Prediction {
     /// (`kvloop_router_api::abandon::foreseen_abandon_ms`), and P's compute
     /// of the whole prompt after it ([`load::LoadBook::begin_prefill`]).
     pub abandon: Option<load::Abandon>,
+    /// A pull whose READ's end P's agent tells the routers (the model's
+    /// `notices_read_pulls`): the load book counts it in P's compute line
+    /// from that notice on ([`load::Pull::read_noticed`]).
+    pub read_noticed: bool,
 }
 
 impl Prediction {
@@ -358,6 +362,7 @@ pub fn select(
                     reuse_ms,
                     suffix_ms,
                     abandon,
+                    read_noticed: pull && pull_model.as_ref().is_some_and(|x| x.notices_read_pulls),
                 },
                 rr_rank(pos, n_p, rr),
             ));

@@ -190,6 +190,7 @@ mod tests {
                 confidence: 1.0,
                 abandons_slow_reads: false,
                 notices_abandoned_pulls: false,
+                notices_read_pulls: false,
             }),
         };
         let mut t = ThresholdTable::new(64);

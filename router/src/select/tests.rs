@@ -10,6 +10,7 @@ fn model(xfer_per_token: f64) -> CostModelCoefficients {
         confidence: 0.9,
         abandons_slow_reads: false,
         notices_abandoned_pulls: false,
+        notices_read_pulls: false,
     }
 }
 
@@ -396,6 +397,7 @@ fn a_pull_carries_the_deadline_at_which_p_agent_abandons_it() {
     let abandoning = CostModelCoefficients {
         abandons_slow_reads: true,
         notices_abandoned_pulls: false,
+        notices_read_pulls: false,
         ..model(0.001)
     };
     let s = select(
@@ -428,4 +430,33 @@ fn a_pull_carries_the_deadline_at_which_p_agent_abandons_it() {
     )
     .unwrap();
     assert_eq!(s.chosen.unwrap().abandon, None);
+}
+
+#[test]
+fn a_pull_says_whether_p_agent_notices_its_read_end() {
+    let ps = [p(0, 0)];
+    let ds = [d(2, 0, None)];
+    let pick = |notices_read_pulls| {
+        let m = CostModelCoefficients {
+            notices_read_pulls,
+            ..model(0.001)
+        };
+        select(
+            Policy::PredictedTtft,
+            &ps,
+            &ds,
+            &turn(10_100, 10_000),
+            |_, _| eff(Some(m.clone())),
+            0,
+        )
+        .unwrap()
+    };
+    let s = pick(true);
+    assert!(s.pull && s.chosen.unwrap().read_noticed);
+    let runner_up = s.runner_up.unwrap();
+    assert!(
+        !runner_up.pull && !runner_up.read_noticed,
+        "a recompute READs nothing"
+    );
+    assert!(!pick(false).chosen.unwrap().read_noticed);
 }
