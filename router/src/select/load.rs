@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+use super::share::drop_conversations;
+pub use super::share::{ShareLine, SharedLine};
 use crate::clock::Clock;
 
 /// This replica's prefills outstanding on one engine, oldest first, and
@@ -70,14 +72,7 @@ impl Fifo {
                 .abandon
                 .filter(|a| x.overtaken && !x.noticed && a.0 <= now_ms);
             if let Some((at_ms, compute_us)) = due {
-                *x = Item {
-                    sent_ms: at_ms,
-                    compute_us,
-                    pulled: false,
-                    overtaken: false,
-                    abandon: None,
-                    ..*x
-                };
+                *x = x.in_line(at_ms, compute_us);
             }
         }
     }
@@ -88,54 +83,31 @@ impl Fifo {
     /// READ ended without it).
     fn join_tail(&mut self, pos: usize, compute_us: u64, now_ms: u64) {
         if let Some(x) = self.items.remove(pos) {
-            self.items.push_back(Item {
-                sent_ms: now_ms,
-                compute_us,
-                pulled: false,
-                overtaken: false,
-                abandon: None,
-                read_end_ms: None,
-                ..x
-            });
+            self.items.push_back(x.in_line(now_ms, compute_us));
         }
     }
 }
 
 impl Item {
+    /// This prefill, no longer a pull: in P's compute line from `sent_ms`
+    /// with `compute_us` of compute (its READ ended, or P recomputes).
+    fn in_line(self, sent_ms: u64, compute_us: u64) -> Item {
+        Item {
+            sent_ms,
+            compute_us,
+            pulled: false,
+            overtaken: false,
+            abandon: None,
+            read_end_ms: None,
+            ..self
+        }
+    }
+
     /// In P's compute line (not READing past its turn, nor READing with
     /// its end to be noticed).
     fn queued(&self) -> bool {
         !(self.overtaken || (self.pulled && self.read_noticed))
     }
-}
-
-/// Other router replicas' outstanding prefills on one engine, as they last
-/// shared them (`crate::load_share`): `(sent at ms, predicted compute µs)`
-/// on this replica's clock, and when one of them last finished its head.
-#[derive(Default, Clone, Debug, PartialEq)]
-pub struct SharedLine {
-    /// `(sent at ms, predicted compute µs, conversation)`, any order; the
-    /// conversation is its digest ([`crate::store::ConvKey::digest`]), 0
-    /// for none.
-    pub items: Vec<(u64, u64, u64)>,
-    /// When the engine last finished one of their heads, ms.
-    pub last_done_ms: Option<u64>,
-}
-
-/// One replica's line on one engine as it shares it (the wire form of
-/// [`super::share::LoadShare`]'s lines): ages relative to the moment it is
-/// taken, so that no two replicas' clocks need to agree.
-#[derive(Default, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ShareLine {
-    /// `[age ms, predicted compute µs]` per outstanding prefill, oldest first.
-    pub items: Vec<(u64, u64)>,
-    /// Per item, the digest of its conversation (0: none); absent from
-    /// replicas before it, which count as none.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conversations: Vec<u64>,
-    /// Time since the engine last finished this replica's head, ms.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub done_age_ms: Option<u64>,
 }
 
 /// A pulled prefill's READ as P's agent will abandon it
@@ -278,17 +250,6 @@ pub struct PrefillGuard {
     engine: u16,
     tokens: u64,
     id: u64,
-}
-
-/// Removes from `line` the items of the `gone` conversations `(digest, at
-/// ms)` sent at or before `at`: a later one is the conversation's next
-/// turn, routed by another replica after this one's.
-fn drop_conversations<'a>(
-    line: &mut SharedLine,
-    gone: impl Iterator<Item = &'a (u64, u64)> + Clone,
-) {
-    line.items
-        .retain(|&(sent_ms, _, c)| c == 0 || !gone.clone().any(|&(g, at)| g == c && sent_ms <= at));
 }
 
 impl Drop for PrefillGuard {
@@ -453,32 +414,15 @@ impl LoadBook {
     /// their deadline). Returns whether this replica has that pull
     /// outstanding (another replica's, or one already answered: ignored).
     pub fn pull_abandoned(&self, digest: u64) -> bool {
-        if digest == 0 {
-            return false;
-        }
-        let now = self.clock.now_ms();
-        for e in &self.engines {
-            let mut f = e.fifo.lock();
-            if let Some(pos) = f.items.iter().position(|x| x.pull == digest) {
-                let x = f.items[pos];
-                if x.pulled && x.read_noticed {
-                    // Not in line while it READ: it joins now.
-                    f.join_tail(pos, x.abandon.map_or(x.compute_us, |a| a.1), now);
-                } else if x.pulled {
-                    f.items[pos] = Item {
-                        sent_ms: now,
-                        compute_us: x.abandon.map_or(x.compute_us, |a| a.1),
-                        pulled: false,
-                        overtaken: false,
-                        abandon: None,
-                        read_end_ms: None,
-                        ..x
-                    };
-                }
-                return true;
+        self.on_pull(digest, |f, pos, x, now| {
+            let whole_us = x.abandon.map_or(x.compute_us, |a| a.1);
+            if x.read_noticed {
+                // Not in line while it READ: it joins now.
+                f.join_tail(pos, whole_us, now);
+            } else {
+                f.items[pos] = x.in_line(now, whole_us);
             }
-        }
-        false
+        })
     }
 
     /// P's agent says the READ of pull `digest` ([`pull_digest`]) completed
@@ -489,6 +433,17 @@ impl LoadBook {
     /// longer READing. Returns whether this replica has that pull
     /// outstanding.
     pub fn pull_read(&self, digest: u64) -> bool {
+        self.on_pull(digest, |f, pos, x, now| {
+            if x.read_noticed {
+                f.join_tail(pos, x.compute_us, now);
+            }
+        })
+    }
+
+    /// Finds this replica's outstanding prefill of pull `digest` and, if
+    /// it is still a pull, calls `apply(line, position, item, now ms)`.
+    /// Returns whether it was found (0 never is).
+    fn on_pull(&self, digest: u64, apply: impl FnOnce(&mut Fifo, usize, Item, u64)) -> bool {
         if digest == 0 {
             return false;
         }
@@ -497,8 +452,8 @@ impl LoadBook {
             let mut f = e.fifo.lock();
             if let Some(pos) = f.items.iter().position(|x| x.pull == digest) {
                 let x = f.items[pos];
-                if x.pulled && x.read_noticed {
-                    f.join_tail(pos, x.compute_us, now);
+                if x.pulled {
+                    apply(&mut f, pos, x, now);
                 }
                 return true;
             }

@@ -23,8 +23,45 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use super::load::ShareLine;
-use super::load::SharedLine;
+/// Other router replicas' outstanding prefills on one engine, as they last
+/// shared them (`crate::load_share`): `(sent at ms, predicted compute µs)`
+/// on this replica's clock, and when one of them last finished its head.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct SharedLine {
+    /// `(sent at ms, predicted compute µs, conversation)`, any order; the
+    /// conversation is its digest ([`crate::store::ConvKey::digest`]), 0
+    /// for none.
+    pub items: Vec<(u64, u64, u64)>,
+    /// When the engine last finished one of their heads, ms.
+    pub last_done_ms: Option<u64>,
+}
+
+/// One replica's line on one engine as it shares it (the wire form of
+/// [`super::share::LoadShare`]'s lines): ages relative to the moment it is
+/// taken, so that no two replicas' clocks need to agree.
+#[derive(Default, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ShareLine {
+    /// `[age ms, predicted compute µs]` per outstanding prefill, oldest first.
+    pub items: Vec<(u64, u64)>,
+    /// Per item, the digest of its conversation (0: none); absent from
+    /// replicas before it, which count as none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conversations: Vec<u64>,
+    /// Time since the engine last finished this replica's head, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub done_age_ms: Option<u64>,
+}
+
+/// Removes from `line` the items of the `gone` conversations `(digest, at
+/// ms)` sent at or before `at`: a later one is the conversation's next
+/// turn, routed by another replica after this one's.
+pub(super) fn drop_conversations<'a>(
+    line: &mut SharedLine,
+    gone: impl Iterator<Item = &'a (u64, u64)> + Clone,
+) {
+    line.items
+        .retain(|&(sent_ms, _, c)| c == 0 || !gone.clone().any(|&(g, at)| g == c && sent_ms <= at));
+}
 
 /// Version of the share format.
 pub const SHARE_VERSION: u8 = 1;
