@@ -97,11 +97,34 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
     // Engine 1 reports one request nobody shares: costed at their mean.
     b.set_reported_requests(1, Some(1));
     assert_eq!(b.queue_ms(1, 0), Some(200.0));
-    // Once this replica predicts, its own mean rules.
+    // Once this replica predicts, its own mean rules; the next report
+    // counts its own prefill among the known.
     let _g = b.begin_prefill(1, 1000, Some(50.0), None, None, 0);
+    assert_eq!(b.queue_ms(1, 0), Some(100.0), "its own, then one unknown");
+    b.set_reported_requests(1, Some(1));
     assert_eq!(b.queue_ms(1, 0), Some(50.0), "the one reported is its own");
     b.set_reported_requests(1, Some(2));
     assert_eq!(b.queue_ms(1, 0), Some(100.0));
+}
+
+#[test]
+fn a_report_counts_what_was_unknown_when_it_came() {
+    let (b, clock) = book(1);
+    let g1 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
+    let g2 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
+    // P reports both, and one request of a router that does not share.
+    b.set_reported_requests(0, Some(3));
+    assert_eq!(b.queue_ms(0, 0), Some(900.0));
+    // P finishes the first before it reports again: the report's place
+    // for it is not turned into a request nobody knows.
+    clock.advance(300);
+    drop(g1);
+    assert_eq!(b.queue_ms(0, 300), Some(600.0), "g2 and the unknown one");
+    // A prefill sent after the report is known, not in the report: the
+    // unknown one still counts.
+    let g3 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
+    assert_eq!(b.queue_ms(0, 300), Some(900.0));
+    drop((g2, g3));
 }
 
 #[test]
