@@ -154,10 +154,12 @@ struct Engine {
     inflight_decode_streams: AtomicU32,
     /// f64 bits of ms per token; 0 = no sample yet.
     ms_per_token_bits: AtomicU64,
-    /// Requests the engine last reported (`vllm:num_requests_waiting` +
-    /// `vllm:num_requests_running`) beyond the prefills this replica knew
-    /// of when the report came ([`LoadBook::set_reported_requests`]);
+    /// Requests waiting or computing as the engine last reported them
+    /// (`vllm:num_requests_waiting` + `vllm:num_requests_running`);
     /// `u32::MAX`: not reported.
+    reported_requests: AtomicU32,
+    /// Of those, the ones beyond the prefills this replica knew of when
+    /// the report came ([`LoadBook::set_reported_requests`]).
     reported_unknown: AtomicU32,
     /// f64 bits of the KV cache usage (0..1) the engine last reported
     /// (`vllm:kv_cache_usage_perc`); `u64::MAX`: not reported.
@@ -317,7 +319,8 @@ impl LoadBook {
         Arc::new(Self {
             engines: (0..n)
                 .map(|_| Engine {
-                    reported_unknown: AtomicU32::new(u32::MAX),
+                    reported_requests: AtomicU32::new(u32::MAX),
+                    reported_unknown: AtomicU32::new(0),
                     kv_usage_bits: AtomicU64::new(u64::MAX),
                     ..Engine::default()
                 })
@@ -505,24 +508,30 @@ impl LoadBook {
     }
 
     /// Records what `engine` reported of its queue, `requests` (`None`:
-    /// not reported, e.g. the scrape failed), as the requests beyond the
-    /// prefills known now (this replica's and the shared ones): those
-    /// are sent by routers that do not share, and count until the next
-    /// report. Compared when the report comes, not when a turn is routed:
-    /// a prefill P finished after its report would otherwise leave the
-    /// book and its place in the stale report turn into a request nobody
-    /// knows, costed at the mean (`make demo-cluster`: a P idle for 0.4 s
-    /// predicted 0.9 s busy, in the up to `load_interval_ms` after each
-    /// prefill P finished).
+    /// not reported, e.g. the scrape failed), and how many of those go
+    /// beyond the prefills known now (this replica's and the shared ones).
+    /// Requests beyond the known ones are sent by routers that do not
+    /// share. [`LoadBook::queue_ms`] counts the fewer of two estimates of
+    /// them: beyond the prefills known when the report came, and beyond
+    /// those known when the turn is routed. The first alone turns a share
+    /// that lands after the report into a double count; the second alone
+    /// turns a prefill P finished after its report (gone from the book,
+    /// still in the report) into a request nobody knows, costed at the
+    /// mean (`make demo-cluster`: a P idle for 0.4 s predicted 0.9 s busy,
+    /// in the up to `load_interval_ms` after each prefill P finished).
+    /// Both under-count a request of a router that does not share sent
+    /// after the report, until the next one.
     pub fn set_reported_requests(&self, engine: u16, requests: Option<u32>) {
         if let Some(e) = self.engines.get(usize::from(engine)) {
-            let unknown = requests.map_or(u32::MAX, |n| {
+            let n = requests.map_or(u32::MAX, |n| n.min(u32::MAX - 1));
+            let unknown = requests.map_or(0, |n| {
                 let (_, known) = known_work(e, self.clock.now_ms());
                 (n as usize)
                     .saturating_sub(known)
                     .min(u32::MAX as usize - 1) as u32
             });
             e.reported_unknown.store(unknown, Ordering::Relaxed);
+            e.reported_requests.store(n, Ordering::Relaxed);
         }
     }
 
@@ -530,9 +539,8 @@ impl LoadBook {
     /// predicted compute: the work the prefills this replica knows of
     /// (its own and, where replicas share their lines, the others') still
     /// have ([`LoadBook::remaining_ms`]), plus the mean prediction for each
-    /// request the engine last reported beyond those known when it
-    /// reported (sent by routers that do not share;
-    /// [`LoadBook::set_reported_requests`]). The mean is this replica's (an EWMA of its
+    /// request the engine last reported beyond those (sent by routers that
+    /// do not share; counted as [`LoadBook::set_reported_requests`] says). The mean is this replica's (an EWMA of its
     /// predictions) or, before it predicted anything (a replica just
     /// started or restarted), that of the prefills the other replicas
     /// share, so that it sees their work at once instead of every P idle;
@@ -545,12 +553,14 @@ impl LoadBook {
             0 => self.shared_mean_ms()?,
             bits => f64::from_bits(bits),
         };
-        let (known, _) = known_work(e, now_ms);
-        let unknown = match e.reported_unknown.load(Ordering::Relaxed) {
+        let (known, known_items) = known_work(e, now_ms);
+        let unknown = match e.reported_requests.load(Ordering::Relaxed) {
             u32::MAX => 0,
-            n => n,
+            n => (n as usize)
+                .saturating_sub(known_items)
+                .min(e.reported_unknown.load(Ordering::Relaxed) as usize),
         };
-        Some(known + f64::from(unknown) * mean_ms)
+        Some(known + unknown as f64 * mean_ms)
     }
 
     /// Mean predicted compute of the prefills other replicas share, over

@@ -97,11 +97,8 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
     // Engine 1 reports one request nobody shares: costed at their mean.
     b.set_reported_requests(1, Some(1));
     assert_eq!(b.queue_ms(1, 0), Some(200.0));
-    // Once this replica predicts, its own mean rules; the next report
-    // counts its own prefill among the known.
+    // Once this replica predicts, its own mean rules.
     let _g = b.begin_prefill(1, 1000, Some(50.0), None, None, 0);
-    assert_eq!(b.queue_ms(1, 0), Some(100.0), "its own, then one unknown");
-    b.set_reported_requests(1, Some(1));
     assert_eq!(b.queue_ms(1, 0), Some(50.0), "the one reported is its own");
     b.set_reported_requests(1, Some(2));
     assert_eq!(b.queue_ms(1, 0), Some(100.0));
@@ -120,10 +117,22 @@ fn a_report_counts_what_was_unknown_when_it_came() {
     clock.advance(300);
     drop(g1);
     assert_eq!(b.queue_ms(0, 300), Some(600.0), "g2 and the unknown one");
-    // A prefill sent after the report is known, not in the report: the
-    // unknown one still counts.
+    // A prefill sent after the report (known, not in the report) takes
+    // the finished one's place: the unknown one still counts.
     let g3 = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
     assert_eq!(b.queue_ms(0, 300), Some(900.0));
+    // Another replica's prefill that P had when it reported, shared after
+    // the report: not counted twice.
+    b.set_reported_requests(0, Some(4));
+    assert_eq!(b.queue_ms(0, 300), Some(1200.0), "one more unknown");
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: vec![(300, 300_000, 0)],
+            last_done_ms: None,
+        },
+    );
+    assert_eq!(b.queue_ms(0, 300), Some(1200.0), "now known, not twice");
     drop((g2, g3));
 }
 
