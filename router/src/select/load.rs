@@ -500,6 +500,21 @@ impl LoadBook {
             });
     }
 
+    /// This replica's pulls on `engine` still READing whose READ's end is
+    /// noticed ([`Pull::read_noticed`]; not yet in P's compute line).
+    pub fn reading_pulls(&self, engine: u16) -> u32 {
+        self.engines.get(usize::from(engine)).map_or(0, |e| {
+            let n = e
+                .fifo
+                .lock()
+                .items
+                .iter()
+                .filter(|x| x.pulled && x.read_noticed)
+                .count();
+            u32::try_from(n).unwrap_or(u32::MAX)
+        })
+    }
+
     /// Outstanding prefill tokens on `engine`.
     pub fn outstanding_prefill_tokens(&self, engine: u16) -> u64 {
         self.engines

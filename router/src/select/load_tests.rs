@@ -469,6 +469,7 @@ fn a_pull_whose_read_end_is_noticed_joins_the_line_at_the_notice() {
     let digest = pull_digest("d0", "cmpl-9");
     let pull = b.begin_prefill(0, 10, Some(50.0), read_noticed(digest), None, 0);
     assert_eq!(b.remaining_ms(0, 1000), 0.0, "READing: not in P's line");
+    assert_eq!(b.reading_pulls(0), 1);
     assert!(b.own_line(0, 1000).unwrap().items.is_empty(), "nor shared");
     // P computes a turn sent after it while the READ runs.
     clock.advance(10);
@@ -483,6 +484,7 @@ fn a_pull_whose_read_end_is_noticed_joins_the_line_at_the_notice() {
     assert!(!b.pull_read(pull_digest("d0", "cmpl-8")), "another pull");
     assert!(b.pull_read(digest));
     assert_eq!(b.remaining_ms(0, 1080), 80.0, "r1's last 30 ms, then 50");
+    assert_eq!(b.reading_pulls(0), 0);
     assert_eq!(
         b.own_line(0, 1080).unwrap().items,
         vec![(70, 100_000), (0, 50_000)]
