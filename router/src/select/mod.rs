@@ -37,8 +37,10 @@
 //!
 //!   with `a = prefill_ms_per_token`, `b = prefill_ms_per_token_ctx` of P's
 //!   model (`kvloop_router_api::CostModelCoefficients`). The option with the
-//!   lowest prediction wins; ties go to the shorter queue, then round-robin
-//!   order. D is chosen by load: not full (KV usage at least
+//!   lowest cost wins: its prediction plus what it adds to the TTFT of
+//!   pulls on P still READing (its compute once for each:
+//!   [`Prediction::delays_ms`]); ties go to the shorter queue, then
+//!   round-robin order. D is chosen by load: not full (KV usage at least
 //!   [`FULL_KV_USAGE`] where reported), fewest in-flight decode streams,
 //!   lowest reported KV usage, then round-robin order. A P whose (P,
 //!   previous D) model is not valid (none pushed, lapsed, or confidence below
