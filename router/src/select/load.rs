@@ -77,6 +77,16 @@ impl Fifo {
         }
     }
 
+    /// Pulls still READing whose READ's end is noticed.
+    fn reading(&self) -> u32 {
+        let n = self
+            .items
+            .iter()
+            .filter(|x| x.pulled && x.read_noticed)
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
     /// The pull at `pos` has ended its READ at `now_ms`: it joins P's
     /// compute line at its tail with `compute_us` of compute (what P's
     /// engine does: it queues a request once its remote KV arrived, or its
@@ -198,13 +208,14 @@ fn known_work(e: &Engine, now_ms: u64) -> (f64, usize) {
             f.items.len(),
         )
     };
+    // Shared pulls still READing count among P's requests, not its work.
     let (shared_head, shared_total, shared_done, shared_n) = {
         let s = e.shared.lock();
         (
             s.items.iter().map(|x| (x.0, x.1)).min_by_key(|x| x.0),
             s.items.iter().map(|x| x.1).sum::<u64>(),
             s.last_done_ms,
-            s.items.len(),
+            s.items.len() + s.reading as usize,
         )
     };
     let n = own_n + shared_n;
@@ -500,18 +511,14 @@ impl LoadBook {
             });
     }
 
-    /// This replica's pulls on `engine` still READing whose READ's end is
-    /// noticed ([`Pull::read_noticed`]; not yet in P's compute line).
+    /// Pulls on `engine` still READing whose READ's end is noticed
+    /// ([`Pull::read_noticed`]; not yet in P's compute line): this
+    /// replica's and, where replicas share, the others'
+    /// ([`SharedLine::reading`]).
     pub fn reading_pulls(&self, engine: u16) -> u32 {
         self.engines.get(usize::from(engine)).map_or(0, |e| {
-            let n = e
-                .fifo
-                .lock()
-                .items
-                .iter()
-                .filter(|x| x.pulled && x.read_noticed)
-                .count();
-            u32::try_from(n).unwrap_or(u32::MAX)
+            let own = e.fifo.lock().reading();
+            own.saturating_add(e.shared.lock().reading)
         })
     }
 
@@ -625,6 +632,7 @@ impl LoadBook {
                 conversations
             },
             done_age_ms: f.last_done_ms.map(|d| now_ms.saturating_sub(d)),
+            reading: f.reading(),
         })
     }
 

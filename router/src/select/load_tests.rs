@@ -71,6 +71,7 @@ fn queue_ms_costs_known_prefills_by_prediction_and_the_rest_by_the_mean() {
         SharedLine {
             items: vec![(0, 50_000, 0)],
             last_done_ms: None,
+            reading: 0,
         },
     );
     b.set_reported_requests(0, Some(3));
@@ -91,6 +92,7 @@ fn a_replica_that_has_not_predicted_yet_counts_what_others_share() {
         SharedLine {
             items: vec![(0, 100_000, 0), (0, 300_000, 0)],
             last_done_ms: None,
+            reading: 0,
         },
     );
     assert_eq!(b.queue_ms(0, 0), Some(400.0));
@@ -130,6 +132,7 @@ fn a_report_counts_what_was_unknown_when_it_came() {
         SharedLine {
             items: vec![(300, 300_000, 0)],
             last_done_ms: None,
+            reading: 0,
         },
     );
     assert_eq!(b.queue_ms(0, 300), Some(1200.0), "now known, not twice");
@@ -344,6 +347,7 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
         SharedLine {
             items: vec![(1050, 200_000, 0), (900, 500_000, 0)],
             last_done_ms: None,
+            reading: 0,
         },
     );
     // The head is theirs, computing since 900: at 1000 it has 400 left.
@@ -354,6 +358,7 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
         SharedLine {
             items: vec![(1050, 200_000, 0)],
             last_done_ms: Some(1400),
+            reading: 0,
         },
     );
     assert_eq!(b.remaining_ms(0, 1500), 200.0 + 200.0);
@@ -363,6 +368,7 @@ fn shared_lines_merge_with_the_own_one_in_sending_order() {
         SharedLine {
             items: vec![(1000, 100_000, 0)],
             last_done_ms: None,
+            reading: 0,
         },
     );
     assert_eq!(b.remaining_ms(1, 1030), 70.0);
@@ -401,6 +407,7 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
     let line = || SharedLine {
         items: vec![(900, 300_000, 7), (950, 200_000, 8), (960, 100_000, 0)],
         last_done_ms: None,
+        reading: 0,
     };
     b.set_shared_line(0, line());
     assert_eq!(b.remaining_ms(0, 1000), 500.0);
@@ -421,6 +428,7 @@ fn a_conversation_routed_here_drops_its_prefill_from_the_shared_lines() {
         SharedLine {
             items: vec![(1050, 400_000, 7)],
             last_done_ms: None,
+            reading: 0,
         },
     );
     assert_eq!(b.shared_items(0), vec![(1050, 400_000)]);
@@ -524,4 +532,23 @@ fn a_noticed_pull_cut_joins_the_line_as_a_whole_recompute_at_its_tail() {
     assert!(b.pull_read(digest));
     assert_eq!(b.remaining_ms(0, 1050), 950.0);
     drop((r1, pull));
+}
+
+#[test]
+fn other_replicas_pulls_still_reading_are_known_requests_and_delayed() {
+    let (b, _) = book(1);
+    let _g = b.begin_prefill(0, 10, Some(300.0), None, None, 0);
+    b.set_shared_line(
+        0,
+        SharedLine {
+            items: Vec::new(),
+            last_done_ms: None,
+            reading: 2,
+        },
+    );
+    assert_eq!(b.reading_pulls(0), 2);
+    // P reports its own one and the two READing: none unknown, and the
+    // READing ones are not work in its line.
+    b.set_reported_requests(0, Some(3));
+    assert_eq!(b.queue_ms(0, 0), Some(300.0));
 }

@@ -34,6 +34,9 @@ pub struct SharedLine {
     pub items: Vec<(u64, u64, u64)>,
     /// When the engine last finished one of their heads, ms.
     pub last_done_ms: Option<u64>,
+    /// Their pulls still READing, not in P's compute line
+    /// ([`ShareLine::reading`]).
+    pub reading: u32,
 }
 
 /// One replica's line on one engine as it shares it (the wire form of
@@ -50,6 +53,17 @@ pub struct ShareLine {
     /// Time since the engine last finished this replica's head, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub done_age_ms: Option<u64>,
+    /// This replica's pulls on the engine still READing, whose READ's end
+    /// is noticed: not in `items` (not yet in P's compute line), but in
+    /// P's reported requests, and delayed by any turn sent meanwhile
+    /// ([`super::Prediction::delays_ms`]). Absent from replicas before it
+    /// (none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reading: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Removes from `line` the items of the `gone` conversations `(digest, at
@@ -179,6 +193,7 @@ pub fn merge(
                 let at = now_ms.saturating_sub(a + in_store_ms);
                 m.last_done_ms = Some(m.last_done_ms.map_or(at, |x| x.max(at)));
             }
+            m.reading = m.reading.saturating_add(line.reading);
         }
     }
     out
@@ -204,6 +219,7 @@ mod tests {
                             items: items.clone(),
                             done_age_ms: *d,
                             conversations: Vec::new(),
+                            reading: 0,
                         },
                     )
                 })
@@ -297,5 +313,21 @@ mod tests {
         assert_eq!(replica_rank("r-a", []), (0, 1));
         assert_eq!(tie_offset((0, 1), 3), 0);
         assert_eq!(tie_offset((5, 0), 3), 0);
+    }
+
+    #[test]
+    fn pulls_still_reading_are_shared_as_a_count_and_summed() {
+        let mut a = share(1_000, &[("p0", vec![(10, 100_000)], None)]);
+        a.engines.get_mut("p0").unwrap().reading = 2;
+        let wire = encode(&a);
+        assert!(String::from_utf8_lossy(&wire).contains("\"reading\":2"));
+        assert_eq!(decode(&wire).unwrap(), a);
+        let mut b = share(1_000, &[("p0", vec![], None)]);
+        b.engines.get_mut("p0").unwrap().reading = 1;
+        let merged = merge(&[a, b], 5_000, 1_000, 1_000);
+        assert_eq!(merged["p0"].reading, 3);
+        // None reading: not on the wire (replicas before it read none).
+        let none = share(1_000, &[("p0", vec![(10, 100_000)], None)]);
+        assert!(!String::from_utf8_lossy(&encode(&none)).contains("reading"));
     }
 }
