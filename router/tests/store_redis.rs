@@ -435,6 +435,7 @@ async fn replicas_share_their_prefill_lines_and_forget_silent_ones() {
                 items: vec![(age, us)],
                 done_age_ms: None,
                 conversations: Vec::new(),
+                reading: 0,
             },
         )]
         .into(),

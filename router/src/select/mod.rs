@@ -67,6 +67,7 @@
 //! debug log line, `kvloop_router_selections_total`, the optional
 //! `x-kvloop-route` header and `GET /admin/routes`. D's KV usage comes
 //! from its `/metrics` (`crate::load_poll`, every `load_interval_ms`).
+mod line;
 pub mod load;
 pub mod route;
 pub mod share;
