@@ -110,6 +110,10 @@ pub(crate) async fn prefill_again(
 ) -> Result<PrefillReply, UpstreamError> {
     let params = to_raw(&no_reuse_prefill_params());
     let up = s.upstream.fresh_connections();
+    // Outstanding on P until it answers (no prediction: counted, not costed).
+    let _load = s
+        .load
+        .begin_prefill(p_idx, n_prompt.unwrap_or(0) as u64, None, None, None, 0);
     send_prefill(&up, s, req, p_idx, params, n_prompt, 0, request_id).await
 }
 

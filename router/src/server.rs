@@ -327,7 +327,7 @@ async fn route_inner(
             read_noticed: chosen.is_some_and(|c| c.read_noticed),
         }
     });
-    let _prefill_load = s.load.begin_prefill(
+    let prefill_load = s.load.begin_prefill(
         p_idx,
         (n_prompt.unwrap_or(0) as u64).saturating_sub(decision.reused_tokens),
         chosen.map(|c| c.compute_ms()),
@@ -351,6 +351,10 @@ async fn route_inner(
     )
     .await
     .inspect_err(|e| warn!(%request_id, error = %e, "prefill failed"))?;
+    // P answered: its compute line moves on now, not when D answers (D
+    // first READs P's blocks: over a slowed path that took 2 s in `make
+    // demo-cluster`, and P looked busy with a prefill it had finished).
+    drop(prefill_load);
     let d_params = params_for_decode(s, p_idx, p_reply)?;
 
     // Decode request: the client's body with P's params. Never resent to
