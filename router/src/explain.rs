@@ -37,14 +37,6 @@ pub struct OptionRecord {
     /// recomputes the whole prompt: `kvloop_router_api::abandon`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub abandon_after_ms: Option<f64>,
-    /// What it adds to the TTFT of pulls on P still READing, ms
-    /// ([`Prediction::delays_ms`]; ranked by TTFT plus this).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub delays_ms: f64,
-}
-
-fn is_zero(x: &f64) -> bool {
-    *x == 0.0
 }
 
 /// One routed turn.
@@ -94,7 +86,6 @@ impl OptionRecord {
             reuse_ms: p.reuse_ms,
             suffix_ms: p.suffix_ms,
             abandon_after_ms: p.abandon.map(|a| a.after_ms),
-            delays_ms: p.delays_ms,
         }
     }
 }
@@ -185,21 +176,16 @@ impl RouteRecord {
                 if let Some(a) = o.abandon_after_ms {
                     let _ = write!(s, " abandon_after={a:.0}ms");
                 }
-                if o.delays_ms > 0.0 {
-                    let _ = write!(s, " delays={:.0}ms", o.delays_ms);
-                }
                 s.push(')');
             }
         }
         s
     }
 
-    /// Predicted advantage of the chosen option over the runner-up, ms:
-    /// the difference of their TTFT plus what each adds to others'
-    /// ([`OptionRecord::delays_ms`]); `None` without both.
+    /// Predicted advantage of the chosen option over the runner-up, ms
+    /// (`None` without both).
     pub fn margin_ms(&self) -> Option<f64> {
-        let cost = |o: &OptionRecord| o.ttft_ms + o.delays_ms;
-        Some(cost(self.runner_up.as_ref()?) - cost(self.chosen.as_ref()?))
+        Some(self.runner_up.as_ref()?.ttft_ms - self.chosen.as_ref()?.ttft_ms)
     }
 }
 
@@ -261,7 +247,6 @@ mod tests {
             suffix_ms: ttft_ms - 3.0,
             abandon: None,
             read_noticed: false,
-            delays_ms: 0.0,
         };
         let s = Selection {
             prefill: 0,

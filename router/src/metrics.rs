@@ -135,9 +135,8 @@ pub struct Metrics {
     pub store_reconnects: Counter,
     /// `kvloop_router_selections_total{policy,reason,prefill_engine_id,decode_engine_id,action}`.
     pub selections: Family<SelectionLabels, Counter>,
-    /// `kvloop_router_selection_margin_seconds`: cost (predicted TTFT plus
-    /// the delay it adds to pulls still READing) of the runner-up option
-    /// minus the chosen one's (`predicted_ttft`).
+    /// `kvloop_router_selection_margin_seconds`: predicted TTFT of the
+    /// runner-up option minus the chosen one's (`predicted_ttft`).
     pub selection_margin_seconds: Histogram,
     /// `kvloop_router_retention_total{action,cause,result}`: retention
     /// decisions about D's holds (`release`/`keep`; `cause` of

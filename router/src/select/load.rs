@@ -405,17 +405,6 @@ impl LoadBook {
             });
     }
 
-    /// Pulls on `engine` still READing whose READ's end is noticed
-    /// ([`Pull::read_noticed`]; not yet in P's compute line): this
-    /// replica's and, where replicas share, the others'
-    /// ([`SharedLine::reading`]).
-    pub fn reading_pulls(&self, engine: u16) -> u32 {
-        self.engines.get(usize::from(engine)).map_or(0, |e| {
-            let own = e.fifo.lock().reading();
-            own.saturating_add(e.shared.lock().reading)
-        })
-    }
-
     /// Outstanding prefill tokens on `engine`.
     pub fn outstanding_prefill_tokens(&self, engine: u16) -> u64 {
         self.engines

@@ -37,10 +37,8 @@
 //!
 //!   with `a = prefill_ms_per_token`, `b = prefill_ms_per_token_ctx` of P's
 //!   model (`kvloop_router_api::CostModelCoefficients`). The option with the
-//!   lowest cost wins: its prediction plus what it adds to the TTFT of
-//!   pulls on P still READing (its compute once for each:
-//!   [`Prediction::delays_ms`]); ties go to the shorter queue, then
-//!   round-robin order. D is chosen by load: not full (KV usage at least
+//!   lowest prediction wins; ties go to the shorter queue, then round-robin
+//!   order. D is chosen by load: not full (KV usage at least
 //!   [`FULL_KV_USAGE`] where reported), fewest in-flight decode streams,
 //!   lowest reported KV usage, then round-robin order. A P whose (P,
 //!   previous D) model is not valid (none pushed, lapsed, or confidence below
@@ -94,11 +92,6 @@ pub struct PrefillView {
     /// ([`load::LoadBook::queue_ms`]); replaces tokens × ms per token when
     /// known.
     pub queue_ms: Option<f64>,
-    /// Pulls on it still READing whose READ's end P's agent notices
-    /// ([`load::LoadBook::reading_pulls`]): a turn sent now reaches P's
-    /// line before each of them and delays it by its own compute
-    /// ([`Prediction::delays_ms`]).
-    pub reading_pulls: u32,
 }
 
 /// A decode engine as the selection sees it.
@@ -194,24 +187,9 @@ pub struct Prediction {
     /// `notices_read_pulls`): the load book counts it in P's compute line
     /// from that notice on ([`load::Pull::read_noticed`]).
     pub read_noticed: bool,
-    /// What this option adds to other turns' TTFT, ms: its compute once
-    /// for each pull on P still READing ([`PrefillView::reading_pulls`]).
-    /// P's engine queues a pulled request only when its READ ends (vLLM's
-    /// NIXL connector; `kvloop-engine-sim`), so a turn that reaches P's
-    /// line meanwhile is computed first and the pull waits for it
-    /// (`make demo-cluster`: a 0.8 s recompute sent 50 ms after a pull
-    /// delayed that pull by 0.8 s, for 0.3 s saved on its own TTFT).
-    /// Options are ranked by [`Prediction::cost_ms`].
-    pub delays_ms: f64,
 }
 
 impl Prediction {
-    /// What the selection minimizes, ms: this turn's predicted TTFT plus
-    /// what it adds to others' ([`Prediction::delays_ms`]).
-    pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms + self.delays_ms
-    }
-
     /// What this option holds P's compute for, ms: the suffix, plus the
     /// prefix when it is recomputed (a pull's READ happens before P
     /// schedules the request and does not hold P).
@@ -386,8 +364,6 @@ pub fn select(
                     suffix_ms,
                     abandon,
                     read_noticed: pull && pull_model.as_ref().is_some_and(|x| x.notices_read_pulls),
-                    delays_ms: f64::from(p.reading_pulls)
-                        * (suffix_ms + if pull { 0.0 } else { reuse_ms }),
                 },
                 rr_rank(pos, n_p, rr),
             ));
@@ -414,8 +390,8 @@ pub fn select(
         return Ok(fallback(SelectReason::FallbackNoModel));
     }
     options.sort_by(|(x, rx), (y, ry)| {
-        x.cost_ms()
-            .total_cmp(&y.cost_ms())
+        x.ttft_ms
+            .total_cmp(&y.ttft_ms)
             .then(x.queue_ms.total_cmp(&y.queue_ms))
             .then(rx.cmp(ry))
             // equal predictions on one P: recompute (moves no bytes)

@@ -122,7 +122,6 @@ pub fn place_with_load(
             outstanding_tokens: load.outstanding_prefill_tokens(index),
             measured_ms_per_token: None,
             queue_ms: load.queue_ms(index, now_ms),
-            reading_pulls: load.reading_pulls(index),
         })
         .collect();
     let dv: Vec<DecodeView> = decode_idx
@@ -216,7 +215,6 @@ mod tests {
             outstanding_tokens: 0,
             measured_ms_per_token: None,
             queue_ms: None,
-            reading_pulls: 0,
         };
         let d = DecodeView {
             index: 2,

@@ -55,9 +55,9 @@ pub struct ShareLine {
     pub done_age_ms: Option<u64>,
     /// This replica's pulls on the engine still READing, whose READ's end
     /// is noticed: not in `items` (not yet in P's compute line), but in
-    /// P's reported requests, and delayed by any turn sent meanwhile
-    /// ([`super::Prediction::delays_ms`]). Absent from replicas before it
-    /// (none).
+    /// P's reported requests, where the other replicas count them as known
+    /// ([`super::load::LoadBook::queue_ms`]) rather than as unknown work at
+    /// the mean. Absent from replicas before it (none).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub reading: u32,
 }

@@ -33,7 +33,6 @@ fn p(index: u16, outstanding_tokens: u64) -> PrefillView {
         outstanding_tokens,
         measured_ms_per_token: None,
         queue_ms: None,
-        reading_pulls: 0,
     }
 }
 
@@ -460,37 +459,4 @@ fn a_pull_says_whether_p_agent_notices_its_read_end() {
         "a recompute READs nothing"
     );
     assert!(!pick(false).chosen.unwrap().read_noticed);
-}
-
-#[test]
-fn a_turn_that_would_delay_pulls_still_reading_counts_that_delay() {
-    // 10,100 new tokens: 10,100 × (0.01 + 0.000_01 × 5,050) = 611 ms on
-    // either P. p0 has 2,000 tokens queued (20 ms); p1 none, but one pull
-    // on it is still READing: sent there, this turn is computed first and
-    // the pull waits 611 ms more.
-    let busy = p(0, 2_000);
-    let mut reading = p(1, 0);
-    reading.reading_pulls = 1;
-    let pick = |ps: [PrefillView; 2]| {
-        select(
-            Policy::PredictedTtft,
-            &ps,
-            &[d(2, 0, None)],
-            &turn(10_100, 0),
-            |_, _| eff(Some(model(0.001))),
-            0,
-        )
-        .unwrap()
-    };
-    let s = pick([busy, reading]);
-    assert_eq!(s.prefill, 0, "{s:?}");
-    let (c, r) = (s.chosen.unwrap(), s.runner_up.unwrap());
-    assert_eq!(c.delays_ms, 0.0);
-    assert_eq!(r.prefill, 1);
-    assert!(r.ttft_ms < c.ttft_ms, "p1 is faster for this turn alone");
-    assert!(close(r.delays_ms, r.suffix_ms), "{r:?}");
-    assert!(r.cost_ms() > c.cost_ms());
-    // Nothing READing on p1: the faster one.
-    reading.reading_pulls = 0;
-    assert_eq!(pick([busy, reading]).prefill, 1);
 }

@@ -167,9 +167,6 @@ fn route_line(r: &serde_json::Value) -> String {
                     " (P's agent abandons the READ after {a:.0} ms and P recomputes)"
                 ));
             }
-            if let Some(d) = o["delays_ms"].as_f64().filter(|d| *d > 0.0) {
-                line.push_str(&format!("; delays pulls still READing on P by {d:.1} ms"));
-            }
         }
     }
     line
