@@ -27,8 +27,11 @@
 //! costed as what it cost: `backlog + the wait for the READ + prefill(n, 0)`.
 //!
 //! The oracle is one-step (it keeps the run's observed queues, which its
-//! own choices would have changed) and ignores the P→D READ, which every
-//! option pays alike.
+//! own choices would have changed) and ignores the P→D READ (D reading
+//! the prompt's KV from P). Every option pays that alike only where P's
+//! paths to D are alike: with `d0 ↔ p0` lowered, a turn placed on p0 with
+//! D = d0 paid 3.2 s for 38k tokens that neither the selection nor this
+//! oracle costs (2026-12-07; the selection chooses D by load).
 
 /// Engine prefill profile (ms): `t0 + new × (a + b × (ctx + new/2))`, scaled.
 #[derive(Debug, Clone, Copy, PartialEq)]
