@@ -250,12 +250,12 @@ impl Agent {
         // (managed mode): say so, so that routers foresee P's recompute.
         for p in &mut pairs {
             if let Some(m) = &mut p.model {
-                m.abandons_slow_reads =
-                    self.cfg.abandon_slow_reads && self.engine(&p.prefill_engine_id).is_ok();
+                let hosted = self.engine(&p.prefill_engine_id).is_ok();
+                m.abandons_slow_reads = self.cfg.abandon_slow_reads && hosted;
                 // It tells the routers when it does (`crate::tasks::notices`).
                 m.notices_abandoned_pulls = m.abandons_slow_reads;
                 // And, owning P's READs, when one completes.
-                m.notices_read_pulls = self.engine(&p.prefill_engine_id).is_ok();
+                m.notices_read_pulls = hosted;
             }
         }
         self.last_pushed.lock().clone_from(&pairs);

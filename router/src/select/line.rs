@@ -71,11 +71,7 @@ impl Fifo {
 
     /// Pulls still READing whose READ's end is noticed.
     pub(super) fn reading(&self) -> u32 {
-        let n = self
-            .items
-            .iter()
-            .filter(|x| x.pulled && x.read_noticed)
-            .count();
+        let n = self.items.iter().filter(|x| x.awaits_read_notice()).count();
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
@@ -105,9 +101,15 @@ impl Item {
         }
     }
 
+    /// A pull still READing whose end P's agent will notice: out of P's
+    /// compute line until [`super::load::LoadBook::pull_read`].
+    pub(super) fn awaits_read_notice(&self) -> bool {
+        self.pulled && self.read_noticed
+    }
+
     /// In P's compute line (not READing past its turn, nor READing with
     /// its end to be noticed).
     pub(super) fn queued(&self) -> bool {
-        !(self.overtaken || (self.pulled && self.read_noticed))
+        !(self.overtaken || self.awaits_read_notice())
     }
 }

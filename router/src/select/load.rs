@@ -176,7 +176,7 @@ impl Drop for PrefillGuard {
                     // One whose READ's end is noticed is not in line
                     // until it is: neither.
                     let late = x.read_end_ms.is_none_or(|end| done >= end);
-                    let guessed = x.pulled && !x.read_noticed;
+                    let guessed = x.pulled && !x.awaits_read_notice();
                     behind |= guessed && !late && !x.overtaken;
                     x.overtaken |= guessed && late;
                     was_head &= !x.queued();
