@@ -9,11 +9,19 @@ one JSON line to FILE: {"t": unix s, "path", "request": <JSON body>,
 The harness reads it to compare what D returned with what P received (the
 kv_transfer_params the router passed through). GETs (health, metrics) are
 forwarded, not logged. Prints "READY" on stdout when listening.
+
+Idle connections to the engine are kept at most 2 s: vLLM's server
+(uvicorn) closes a keep-alive connection after 5 s idle (its
+`timeout_keep_alive` default), and reusing one it is closing resets the
+request. A request whose connection fails before the answer's headers
+arrived (such a stale connection: the engine never read it) is sent once
+more, logged on stderr; a second failure answers 502 naming the error.
 """
 
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 import aiohttp
@@ -35,7 +43,16 @@ def main():
         body = await req.read()
         headers = {k: v for k, v in req.headers.items() if k.lower() not in HOP}
         sess: aiohttp.ClientSession = req.app["sess"]
-        async with sess.request(req.method, a.upstream + req.path_qs, data=body, headers=headers) as up:
+        for attempt in (1, 2):
+            try:
+                up = await sess.request(req.method, a.upstream + req.path_qs, data=body, headers=headers)
+                break
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+                if attempt == 2:
+                    return web.Response(status=502, text=f"tap: engine connection failed twice: {e!r}")
+                print(f"tap: {req.method} {req.path} resent after {e!r}",
+                      file=sys.stderr, flush=True)
+        async with up:
             out = web.StreamResponse(status=up.status)
             for k, v in up.headers.items():
                 if k.lower() not in HOP and k.lower() != "content-encoding":
@@ -60,7 +77,9 @@ def main():
 
     async def start():
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app["sess"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), auto_decompress=False)
+        conn = aiohttp.TCPConnector(keepalive_timeout=2)
+        app["sess"] = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600),
+                                            auto_decompress=False)
         app.router.add_route("*", "/{tail:.*}", handle)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -323,6 +323,7 @@ def test_edited_history_recomputes_and_matches(cluster, words):
         assert edited[0] != {"role": "user", "content": u[0]} or answer != on[1].text
         a = ask(ON, "chat", False, edited, f"vl-edit-{edit}", 12)
         b = ask(OFF, "chat", False, edited, None, 12)
+        assert a.status == 200 and b.status == 200, (edit, a.raw, b.raw)
         after = router_decisions()
         assert after["pulled"] - before["pulled"] == 1, (edit, before, after)
         assert after["prefix_mismatch"] - before["prefix_mismatch"] == 1, (edit, before, after)
