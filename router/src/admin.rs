@@ -61,9 +61,20 @@ pub async fn version(State(s): State<Arc<AppState>>) -> Response {
     Json(body).into_response()
 }
 
-/// `GET /health`: 503 unless a healthy P and a healthy D exist;
-/// `status: "degraded"` (still 200) while a warning stands (pulls of a pair
-/// keep failing, decode answers lack `kv_transfer_params`).
+/// Warm-up left after start, ms (`warmup_ms` in the config): `None` once
+/// an agent's threshold push with at least one pair was applied
+/// (`pushed`) or `warmup_ms` passed since `started_ms` (all on the
+/// router's clock), and always with `warmup_ms` 0.
+pub fn warmup_left_ms(now_ms: u64, started_ms: u64, warmup_ms: u64, pushed: bool) -> Option<u64> {
+    let left = warmup_ms.saturating_sub(now_ms.saturating_sub(started_ms));
+    (!pushed && left > 0).then_some(left)
+}
+
+/// `GET /health`: 503 unless a healthy P and a healthy D exist, and while
+/// warming up after start (`status: "warming"`, until an agent's first
+/// threshold push or `warmup_ms`); `status: "degraded"` (still 200) while a
+/// warning stands (pulls of a pair keep failing, decode answers lack
+/// `kv_transfer_params`).
 pub async fn health(State(s): State<Arc<AppState>>) -> Response {
     let engines: Vec<Value> = s
         .registry
@@ -102,8 +113,10 @@ pub async fn health(State(s): State<Arc<AppState>>) -> Response {
             "detail": MISSING_PARAMS_HINT}),
         );
     }
-    let status = match (serving, warnings.is_empty()) {
-        (true, true) => "ok",
+    let warmup_left_ms = s.warmup_left_ms();
+    let status = match (serving, warnings.is_empty(), warmup_left_ms) {
+        (true, _, Some(_)) => "warming",
+        (true, true, None) => "ok",
         _ => "degraded",
     };
     let body = json!({
@@ -114,10 +127,11 @@ pub async fn health(State(s): State<Arc<AppState>>) -> Response {
         "store": s.store.health_json(),
         "replicas": s.replica_rank().map(|(rank, count)| json!({"sharing": count, "rank": rank})),
         "kv_recompute_threshold": s.cfg.kv_recompute_threshold,
+        "warmup_left_ms": warmup_left_ms,
         "warnings": warnings,
         "engines": engines,
     });
-    let code = if serving {
+    let code = if serving && warmup_left_ms.is_none() {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -217,6 +231,9 @@ pub async fn put_thresholds(
     match r {
         Ok(ApplyOutcome::Applied(n)) => {
             count("applied");
+            if n > 0 && !s.thresholds_pushed.swap(true, Ordering::Relaxed) {
+                info!(agent = %u.agent_id, "first threshold push with a pair applied (the warm-up, where configured, is over)");
+            }
             if let Some(url) = u.agent_url.as_deref()
                 && (url.starts_with("http://") || url.starts_with("https://"))
             {
@@ -393,5 +410,25 @@ fn query_n(v: Option<&str>, max: usize) -> Result<usize, Box<Response>> {
             Some("n"),
             "query `n`: expected a non-negative integer",
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::warmup_left_ms;
+
+    #[test]
+    fn warmup_ends_at_the_first_push_or_its_deadline() {
+        // 0: no warm-up.
+        assert_eq!(warmup_left_ms(1_000, 1_000, 0, false), None);
+        // Counting down from start.
+        assert_eq!(warmup_left_ms(1_000, 1_000, 5_000, false), Some(5_000));
+        assert_eq!(warmup_left_ms(4_500, 1_000, 5_000, false), Some(1_500));
+        assert_eq!(warmup_left_ms(6_000, 1_000, 5_000, false), None);
+        assert_eq!(warmup_left_ms(9_000, 1_000, 5_000, false), None);
+        // A push ends it at once.
+        assert_eq!(warmup_left_ms(1_200, 1_000, 5_000, true), None);
+        // A clock behind the start (never negative).
+        assert_eq!(warmup_left_ms(900, 1_000, 5_000, false), Some(5_000));
     }
 }

@@ -122,6 +122,17 @@ pub struct RouterConfig {
     /// now and then, a dead one refuses (default as SGLang's model gateway's
     /// `health_failure_threshold`) [3].
     pub health_failure_threshold: u32,
+    /// Warm-up after start, ms: `GET /health` answers 503 (`status:
+    /// "warming"`) until an agent's first threshold push with a pair is
+    /// applied (`PUT /admin/thresholds`) or this long has passed, whichever
+    /// comes first. A readiness probe on `/health` then holds traffic back from a
+    /// new replica until it has the agents' thresholds and cost models:
+    /// without them it places turns round robin with the static threshold,
+    /// pulling over paths it cannot cost. As Envoy's `initial_fetch_timeout`
+    /// for its first configuration. Agents must reach a replica that is not
+    /// ready yet (the Helm chart's headless Service publishes not-ready
+    /// addresses). 0: no warm-up [0].
+    pub warmup_ms: u64,
     /// Connect timeout to engines, ms [2000].
     pub connect_timeout_ms: u64,
     /// Pooled connections to engines idle longer than this are closed, not
@@ -210,6 +221,7 @@ impl Default for RouterConfig {
             health_failure_threshold: 3,
             connect_timeout_ms: 2_000,
             upstream_idle_timeout_ms: 4_000,
+            warmup_ms: 0,
             prefill_timeout_ms: 600_000,
             decode_timeout_ms: 600_000,
             max_body_bytes: 64 << 20,

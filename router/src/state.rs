@@ -78,6 +78,10 @@ pub struct AppState {
     pub(crate) routes: Mutex<RecentRoutes>,
     /// Decode-side retention: agents, followed holds, gaps (issue 15).
     pub(crate) retention: Mutex<Retention>,
+    /// When this router started, ms on its clock (`warmup_ms`).
+    started_ms: u64,
+    /// An agent's threshold push was applied since start (`warmup_ms`).
+    pub(crate) thresholds_pushed: AtomicBool,
     /// Where retention decisions go to be sent (set by
     /// [`crate::retention_task::spawn`]; unset: counted as dropped).
     pub(crate) retention_jobs: std::sync::OnceLock<tokio::sync::mpsc::Sender<Job>>,
@@ -168,6 +172,7 @@ impl AppState {
             rr_decode: AtomicUsize::new(0),
             rr_select: AtomicUsize::new(0),
             replica_rank: AtomicU64::new(0),
+            started_ms: clock.now_ms(),
             load: LoadBook::new(registry.engines().len(), clock),
             tokenize_ok: AtomicBool::new(true),
             tokenize_retry_at_ms: AtomicU64::new(0),
@@ -179,11 +184,23 @@ impl AppState {
             routes: Mutex::new(RecentRoutes::default()),
             retention: Mutex::new(Retention::new(cfg.retention)),
             retention_jobs: std::sync::OnceLock::new(),
+            thresholds_pushed: AtomicBool::new(false),
             registry,
             cfg,
         };
         state.publish_prefix_mode();
         Ok(Arc::new(state))
+    }
+
+    /// Warm-up left, ms: `Some` while `/health` answers `warming`
+    /// ([`crate::admin::warmup_left_ms`]).
+    pub(crate) fn warmup_left_ms(&self) -> Option<u64> {
+        crate::admin::warmup_left_ms(
+            self.now_ms(),
+            self.started_ms,
+            self.cfg.warmup_ms,
+            self.thresholds_pushed.load(Ordering::Relaxed),
+        )
     }
 
     /// The prefix check in force: `tokens` while the engine's `/tokenize`

@@ -492,6 +492,58 @@ async fn models_and_health_are_served() {
     assert_eq!(r.status(), 200);
 }
 
+/// With `warmup_ms`, a new router is not ready (503, `warming`) until an
+/// agent's first threshold push with a pair, yet it serves requests
+/// meanwhile (with the static threshold); a push without pairs does not end
+/// the warm-up.
+#[tokio::test]
+async fn warming_until_the_first_threshold_push() {
+    let c = Cluster::start(Opts {
+        tweak: |cfg| cfg.warmup_ms = 600_000,
+        ..Opts::default()
+    })
+    .await;
+    let health = || async {
+        let r = c
+            .http
+            .get(format!("{}/health", c.router.url()))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    let (st, h) = health().await;
+    assert_eq!(st, 503, "{h}");
+    assert_eq!(h["status"], "warming");
+    assert!(h["warmup_left_ms"].as_u64().unwrap() > 590_000, "{h}");
+    let (st, a) = c
+        .chat(None, "conv-w", &[user(&words(20, "w"))], false, json!({}))
+        .await;
+    assert_eq!(st, 200, "served while warming: {a}");
+    let url = format!("{}{}", c.router.url(), kvloop_router_api::THRESHOLDS_PATH);
+    let mut u = ThresholdUpdate {
+        agent_url: None,
+        agent_id: "node-a".into(),
+        seq: 1,
+        pairs: vec![],
+    };
+    assert_eq!(put(&c.http, &url, TOKEN, &u).await.status(), 204);
+    assert_eq!(health().await.0, 503, "no pair: still warming");
+    u.seq = 2;
+    u.pairs.push(PairThreshold {
+        prefill_engine_id: "p0".into(),
+        decode_engine_id: "d0".into(),
+        threshold_tokens: 64,
+        valid_for_ms: 10_000,
+        model: None,
+    });
+    assert_eq!(put(&c.http, &url, TOKEN, &u).await.status(), 204);
+    let (st, h) = health().await;
+    assert_eq!(st, 200, "{h}");
+    assert_eq!(h["status"], "ok");
+    assert!(h["warmup_left_ms"].is_null(), "{h}");
+}
+
 #[tokio::test]
 async fn tokens_header_on_every_request_when_configured() {
     let c = Cluster::start(Opts {

@@ -268,6 +268,11 @@ store_key_prefix = "{key_prefix}"
             spec.policy,
             self.redis.url()
         );
+        if spec.pushed {
+            // Not ready until an agent's first push (the restarted replica
+            // takes turns only once it has the thresholds and models).
+            t.push_str("warmup_ms = 3000\n");
+        }
         for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             for e in list {
                 let (host, port) = e.side.rsplit_once(':').unwrap_or((&e.side, "0"));

@@ -197,8 +197,16 @@ impl RunCtx<'_> {
                     .start_router(self.star, self.bins, config, spec, 1, &log)?;
                 let pid = r.pid();
                 routers[1] = Some(r);
+                // Back in the client's rotation once ready, as behind a
+                // readiness probe (warmed up where agents push to it).
+                let t = Instant::now();
+                let url = format!("http://{}:{}", self.cluster.router_addrs[1], spec.port);
+                wait_healthy(self.http, &url).await?;
                 drive.mark_up(1);
-                format!("router replica 1 restarted (pid {pid})")
+                format!(
+                    "router replica 1 restarted (pid {pid}), ready after {} ms",
+                    t.elapsed().as_millis()
+                )
             }
             "degrade" => {
                 self.star
