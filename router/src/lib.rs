@@ -9,7 +9,8 @@
 //!
 //! Layout: the decision logic is pure and unit-tested ([`params`],
 //! [`fingerprint`], [`store`], [`thresholds`], [`decision`], [`sse`],
-//! [`request`], [`alarms`], [`registry`], [`config`], [`select`]); the shell is
+//! [`request`], [`alarms`], [`registry`], [`config`], [`select`],
+//! [`warmup`]); the shell is
 //! [`server`] (state, app, one request's walk), [`upstream`] (engine calls
 //! and their error), [`relay`] (D's stream to the client, storing turns),
 //! [`admin`] (the router's own endpoints), [`error`] and [`clock`].
@@ -44,6 +45,7 @@ pub mod store;
 pub mod thresholds;
 pub mod token_ids;
 pub mod upstream;
+pub mod warmup;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

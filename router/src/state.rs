@@ -193,9 +193,9 @@ impl AppState {
     }
 
     /// Warm-up left, ms: `Some` while `/health` answers `warming`
-    /// ([`crate::admin::warmup_left_ms`]).
+    /// ([`crate::warmup::warmup_left_ms`]).
     pub(crate) fn warmup_left_ms(&self) -> Option<u64> {
-        crate::admin::warmup_left_ms(
+        crate::warmup::warmup_left_ms(
             self.now_ms(),
             self.started_ms,
             self.cfg.warmup_ms,
