@@ -483,13 +483,8 @@ async fn models_and_health_are_served() {
     let c = Cluster::start(Opts::default()).await;
     let m: Value = c.get_json("/v1/models").await;
     assert_eq!(m["data"][0]["id"], "sim-model");
-    let r = c
-        .http
-        .get(format!("{}/health", c.router.url()))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    let (st, h) = c.get_status_json("/health").await;
+    assert_eq!(st, 200, "{h}");
 }
 
 /// With `warmup_ms`, a new router is not ready (503, `warming`) until an
@@ -503,16 +498,7 @@ async fn warming_until_the_first_threshold_push() {
         ..Opts::default()
     })
     .await;
-    let health = || async {
-        let r = c
-            .http
-            .get(format!("{}/health", c.router.url()))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    };
-    let (st, h) = health().await;
+    let (st, h) = c.get_status_json("/health").await;
     assert_eq!(st, 503, "{h}");
     assert_eq!(h["status"], "warming");
     assert!(h["warmup_left_ms"].as_u64().unwrap() > 590_000, "{h}");
@@ -528,7 +514,11 @@ async fn warming_until_the_first_threshold_push() {
         pairs: vec![],
     };
     assert_eq!(put(&c.http, &url, TOKEN, &u).await.status(), 204);
-    assert_eq!(health().await.0, 503, "no pair: still warming");
+    assert_eq!(
+        c.get_status_json("/health").await.0,
+        503,
+        "no pair: still warming"
+    );
     u.seq = 2;
     u.pairs.push(PairThreshold {
         prefill_engine_id: "p0".into(),
@@ -538,7 +528,7 @@ async fn warming_until_the_first_threshold_push() {
         model: None,
     });
     assert_eq!(put(&c.http, &url, TOKEN, &u).await.status(), 204);
-    let (st, h) = health().await;
+    let (st, h) = c.get_status_json("/health").await;
     assert_eq!(st, 200, "{h}");
     assert_eq!(h["status"], "ok");
     assert!(h["warmup_left_ms"].is_null(), "{h}");

@@ -129,11 +129,21 @@ impl Cluster {
     }
 
     async fn get_json_as(&self, path: &str, token: Option<&str>) -> Value {
+        self.get_status_json_as(path, token).await.1
+    }
+
+    /// `GET <router><path>`: the status and the body as JSON.
+    pub async fn get_status_json(&self, path: &str) -> (u16, Value) {
+        self.get_status_json_as(path, None).await
+    }
+
+    async fn get_status_json_as(&self, path: &str, token: Option<&str>) -> (u16, Value) {
         let mut r = self.http.get(format!("{}{path}", self.router.url()));
         if let Some(t) = token {
             r = r.bearer_auth(t);
         }
-        r.send().await.unwrap().json().await.unwrap()
+        let r = r.send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
     }
 
     pub async fn metric(&self, series: &str) -> f64 {
