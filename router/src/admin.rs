@@ -255,9 +255,8 @@ pub async fn put_thresholds(
 /// recomputing the whole prompt; the load book counts it so from now
 /// ([`crate::select::load::LoadBook::pull_abandoned`]). With cause
 /// `abandoned` (slower than recomputing), pulls over that pair stop until
-/// a push shows the path slower, for a bounded time
-/// ([`crate::thresholds::ThresholdTable::pull_cut`]), on every replica the
-/// agent tells. `204` whether or not this replica sent
+/// its next push ([`crate::thresholds::ThresholdTable::pull_cut`]), on
+/// every replica the agent tells. `204` whether or not this replica sent
 /// that turn.
 pub async fn post_pull_abandoned(
     State(s): State<Arc<AppState>>,
@@ -271,7 +270,7 @@ pub async fn post_pull_abandoned(
                 .pull_cut(&n.prefill_engine_id, &n.decode_engine_id, s.now_ms())
         {
             debug!(prefill = %n.prefill_engine_id, decode = %n.decode_engine_id,
-                   "READ abandoned: no pull over this pair until a push shows it slower (3 s at most)");
+                   "READ abandoned: no pull over this pair until its next push");
         }
         s.load.pull_abandoned(d)
     })

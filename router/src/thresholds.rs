@@ -9,14 +9,11 @@
 //!
 //! A pull whose READ P's agent abandoned as slower than recomputing
 //! ([`ThresholdTable::pull_cut`], from `POST /admin/pulls/abandoned`)
-//! suspends pulls over that pair until a push brings a model of the pair
-//! that predicts READs at least [`MODEL_MOVED_FACTOR`] slower than the one
-//! in force at the cut, or for [`PULL_SUSPEND_MAX_MS`] at most: the
-//! agent's model takes a few samples to move (its change detector), and a
-//! second pull over a path that just slowed is cut again (seen in 2 of 27
-//! runs of `make demo-cluster`, 0.2–0.4 s after the first; lifting the
-//! suspension at the next push alone, 0.5 s later, still let a second cut
-//! through). As outlier ejection in Envoy, for a bounded time.
+//! suspends pulls over that pair until the pair's next push: the agent's
+//! model may not have moved yet (its early push waits for the change
+//! detector), and a second pull over a path that just slowed is cut again
+//! (seen twice in 27 runs of `make demo-cluster`, 0.2–0.4 s after the
+//! first). As outlier ejection in Envoy, for one push period at most.
 use std::collections::HashMap;
 
 use kvloop_router_api::{CostModelCoefficients, ThresholdUpdate};
@@ -27,20 +24,6 @@ pub const DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS: u64 = 64;
 /// Minimum cost-model confidence for the router to decide by the model rather
 /// than by the threshold alone.
 pub const MIN_MODEL_CONFIDENCE: f64 = 0.5;
-
-/// Longest suspension of pulls over a pair after an abandoned READ, ms:
-/// long enough for the agent's change detector to refit the path (about
-/// 1–2 s in `make demo-cluster`), short enough that a fluke cut costs a
-/// few recomputes.
-pub const PULL_SUSPEND_MAX_MS: u64 = 3_000;
-
-/// A push lifts a pair's suspension when its model predicts a READ of
-/// [`MODEL_MOVED_REF_TOKENS`] at least this many times slower than the
-/// model in force at the cut (the agent has learnt the path slowed).
-pub const MODEL_MOVED_FACTOR: f64 = 2.0;
-
-/// The READ size at which a moved model is judged, tokens.
-pub const MODEL_MOVED_REF_TOKENS: f64 = 8_192.0;
 
 /// A rejected push: names the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -70,11 +53,9 @@ struct PairEntry {
     model: Option<CostModelCoefficients>,
     valid_until_ms: u64,
     agent_id: String,
-    /// A READ over the pair was abandoned at this time (ms), and the
-    /// model then in force predicted a READ of [`MODEL_MOVED_REF_TOKENS`]
-    /// in this many ms (`None`: no model): pulls are suspended (see the
-    /// module docs).
-    pull_cut: Option<(u64, Option<f64>)>,
+    /// A READ over the pair was abandoned since this push, at this time
+    /// (ms): pulls are suspended until the next push.
+    pull_cut_at_ms: Option<u64>,
 }
 
 /// One pushed pair as `GET /admin/thresholds` shows it.
@@ -92,29 +73,9 @@ pub struct PairSnapshot {
     pub agent_id: String,
     /// The pushed cost model, if any.
     pub model: Option<CostModelCoefficients>,
-    /// When a READ over the pair was abandoned, ms on the router's clock,
-    /// while pulls over it are suspended (see the module docs).
+    /// When a READ over the pair was abandoned since the push, ms on the
+    /// router's clock: pulls are suspended until the next push.
     pub pull_cut_at_ms: Option<u64>,
-}
-
-impl PairEntry {
-    /// When pulls over the pair were suspended, while they still are.
-    fn suspended_at(&self, now_ms: u64) -> Option<u64> {
-        self.pull_cut
-            .map(|(at_ms, _)| at_ms)
-            .filter(|at_ms| now_ms.saturating_sub(*at_ms) < PULL_SUSPEND_MAX_MS)
-    }
-}
-
-/// Whether `model` predicts a READ of [`MODEL_MOVED_REF_TOKENS`] at least
-/// [`MODEL_MOVED_FACTOR`] times slower than `ref_ms` (the model at the
-/// cut; without one, any model counts as news).
-fn moved(ref_ms: Option<f64>, model: Option<&CostModelCoefficients>) -> bool {
-    match (ref_ms, model) {
-        (_, None) => false,
-        (None, Some(_)) => true,
-        (Some(r), Some(m)) => m.xfer_ms(MODEL_MOVED_REF_TOKENS) >= MODEL_MOVED_FACTOR * r,
-    }
 }
 
 /// Where an effective threshold came from.
@@ -136,8 +97,7 @@ pub struct Effective {
     /// Origin.
     pub source: ThresholdSource,
     /// Pulls over the pair are suspended: a READ over it was abandoned
-    /// and no push has shown the path slower since
-    /// ([`ThresholdTable::pull_cut`], at most [`PULL_SUSPEND_MAX_MS`]).
+    /// since the last push ([`ThresholdTable::pull_cut`]).
     pub pull_suspended: bool,
 }
 
@@ -254,25 +214,14 @@ impl ThresholdTable {
         }
         self.last_seq.insert(u.agent_id.clone(), u.seq);
         for p in &u.pairs {
-            let key = (p.prefill_engine_id.clone(), p.decode_engine_id.clone());
-            // A suspension outlives pushes that still predict the path as
-            // fast as at the cut.
-            let pull_cut =
-                self.pairs
-                    .get(&key)
-                    .and_then(|e| e.pull_cut)
-                    .filter(|&(at_ms, ref_ms)| {
-                        now_ms.saturating_sub(at_ms) < PULL_SUSPEND_MAX_MS
-                            && !moved(ref_ms, p.model.as_ref())
-                    });
             self.pairs.insert(
-                key,
+                (p.prefill_engine_id.clone(), p.decode_engine_id.clone()),
                 PairEntry {
                     threshold_tokens: p.threshold_tokens,
                     model: p.model.clone(),
                     valid_until_ms: now_ms.saturating_add(p.valid_for_ms),
                     agent_id: u.agent_id.clone(),
-                    pull_cut,
+                    pull_cut_at_ms: None,
                 },
             );
         }
@@ -286,7 +235,7 @@ impl ThresholdTable {
                 threshold_tokens: e.threshold_tokens,
                 model: e.model.clone(),
                 source: ThresholdSource::Pushed,
-                pull_suspended: e.suspended_at(now_ms).is_some(),
+                pull_suspended: e.pull_cut_at_ms.is_some(),
             },
             _ => Effective {
                 threshold_tokens: self.static_threshold_tokens,
@@ -298,19 +247,17 @@ impl ThresholdTable {
     }
 
     /// P's agent abandoned a READ over (prefill, decode) at `now_ms` as
-    /// slower than recomputing: pulls over the pair stop until a push shows
-    /// the path slower, for [`PULL_SUSPEND_MAX_MS`] at most (see the module
-    /// docs); a cut while suspended starts the time again. Returns whether
-    /// a pushed entry in force was marked (without one, the static
-    /// threshold applies and nothing is suspended).
+    /// slower than recomputing: pulls over the pair stop until its next
+    /// push (see the module docs). Returns whether a pushed entry in force
+    /// was marked (without one, the static threshold applies and nothing
+    /// is suspended).
     pub fn pull_cut(&mut self, prefill: &str, decode: &str, now_ms: u64) -> bool {
         match self
             .pairs
             .get_mut(&(prefill.to_string(), decode.to_string()))
         {
             Some(e) if now_ms < e.valid_until_ms => {
-                let ref_ms = e.model.as_ref().map(|m| m.xfer_ms(MODEL_MOVED_REF_TOKENS));
-                e.pull_cut = Some((now_ms, ref_ms));
+                e.pull_cut_at_ms.get_or_insert(now_ms);
                 true
             }
             _ => false,
@@ -329,7 +276,7 @@ impl ThresholdTable {
                 valid_for_ms_left: e.valid_until_ms.saturating_sub(now_ms),
                 agent_id: e.agent_id.clone(),
                 model: e.model.clone(),
-                pull_cut_at_ms: e.suspended_at(now_ms),
+                pull_cut_at_ms: e.pull_cut_at_ms,
             })
             .collect();
         v.sort_by(|a, b| {
@@ -409,51 +356,28 @@ mod tests {
         assert_eq!(e.field, "pairs[0].decode_engine_id");
     }
 
-    fn with_model(seq: u64, xfer_ms_per_token: f64) -> ThresholdUpdate {
-        let mut u = push("a", seq, 100, 60_000);
-        u.pairs[0].model = Some(CostModelCoefficients {
-            xfer_fixed_ms: 0.0,
-            xfer_ms_per_token,
-            prefill_ms_per_token: 0.05,
-            prefill_ms_per_token_ctx: 0.0,
-            confidence: 0.9,
-            abandons_slow_reads: true,
-            notices_abandoned_pulls: true,
-            notices_read_pulls: true,
-        });
-        u
-    }
-
     #[test]
-    fn an_abandoned_read_suspends_pulls_until_the_model_moves_or_for_a_bounded_time() {
+    fn an_abandoned_read_suspends_pulls_over_the_pair_until_its_next_push() {
         let mut t = ThresholdTable::new(64);
         // Without a push in force nothing is suspended (static threshold).
         assert!(!t.pull_cut("p0", "d0", 0));
-        t.apply(&with_model(1, 0.001), 0, |_| true).unwrap();
+        t.apply(&push("a", 1, 100, 10_000), 0, |_| true).unwrap();
         assert!(t.effective("p0", "d0", 10).should_pull(500));
         assert!(t.pull_cut("p0", "d0", 20));
+        assert!(
+            t.pull_cut("p0", "d0", 30),
+            "a second cut keeps the first time"
+        );
         let e = t.effective("p0", "d0", 40);
         assert!(e.pull_suspended && !e.should_pull(500), "{e:?}");
         assert_eq!(t.snapshot(40)[0].pull_cut_at_ms, Some(20));
-        // A push whose model has not moved 2× keeps it.
-        t.apply(&with_model(2, 0.0019), 50, |_| true).unwrap();
-        assert!(t.effective("p0", "d0", 60).pull_suspended);
-        // Until PULL_SUSPEND_MAX_MS after the cut.
-        assert!(
-            t.effective("p0", "d0", 20 + PULL_SUSPEND_MAX_MS - 1)
-                .pull_suspended
-        );
-        let e = t.effective("p0", "d0", 20 + PULL_SUSPEND_MAX_MS);
+        // The next push from P's agent lifts it.
+        t.apply(&push("a", 2, 100, 10_000), 50, |_| true).unwrap();
+        let e = t.effective("p0", "d0", 60);
         assert!(!e.pull_suspended && e.should_pull(500), "{e:?}");
-        assert_eq!(t.snapshot(20 + PULL_SUSPEND_MAX_MS)[0].pull_cut_at_ms, None);
-        // Cut again: a push showing the path 2× slower lifts it at once.
-        assert!(t.pull_cut("p0", "d0", 5_000));
-        t.apply(&with_model(3, 0.0019 * 2.0), 5_100, |_| true)
-            .unwrap();
-        assert!(!t.effective("p0", "d0", 5_200).pull_suspended);
-        // A cut pair that lapsed cannot be cut (the static threshold applies).
-        assert!(!t.pull_cut("p0", "d0", 70_000));
-        assert!(!t.effective("p0", "d0", 70_000).pull_suspended);
+        // A lapsed push cannot be cut (the static threshold applies).
+        assert!(!t.pull_cut("p0", "d0", 20_000));
+        assert!(!t.effective("p0", "d0", 20_000).pull_suspended);
     }
 
     #[test]

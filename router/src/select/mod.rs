@@ -50,7 +50,7 @@
 //!   previous D, predictions cannot be compared: the turn falls back to
 //!   round robin and the threshold rule (reason `fallback_no_model`). A
 //!   pair whose pulls are suspended (P's agent abandoned a READ over it
-//!   lately: [`Effective::pull_suspended`]) keeps its path
+//!   since its last push: [`Effective::pull_suspended`]) keeps its path
 //!   model for the comparison but offers no pull option.
 //!
 //! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
