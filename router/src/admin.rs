@@ -253,25 +253,14 @@ pub async fn put_thresholds(
 /// `POST /admin/pulls/abandoned` ([`kvloop_router_api::PullNotice`]):
 /// P's agent says a pull's READ ended without the blocks, so P is
 /// recomputing the whole prompt; the load book counts it so from now
-/// ([`crate::select::load::LoadBook::pull_abandoned`]). With cause
-/// `abandoned` (slower than recomputing), pulls over that pair stop until
-/// its next push ([`crate::thresholds::ThresholdTable::pull_cut`]), on
-/// every replica the agent tells. `204` whether or not this replica sent
-/// that turn.
+/// ([`crate::select::load::LoadBook::pull_abandoned`]). `204` whether or
+/// not this replica sent that turn.
 pub async fn post_pull_abandoned(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    pull_notice(&s, &headers, &body, &s.metrics.pull_notices, |n, d| {
-        if n.cause == "abandoned"
-            && s.thresholds
-                .lock()
-                .pull_cut(&n.prefill_engine_id, &n.decode_engine_id, s.now_ms())
-        {
-            debug!(prefill = %n.prefill_engine_id, decode = %n.decode_engine_id,
-                   "READ abandoned: no pull over this pair until its next push");
-        }
+    pull_notice(&s, &headers, &body, &s.metrics.pull_notices, |d| {
         s.load.pull_abandoned(d)
     })
 }
@@ -286,7 +275,7 @@ pub async fn post_pull_read(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    pull_notice(&s, &headers, &body, &s.metrics.pull_read_notices, |_, d| {
+    pull_notice(&s, &headers, &body, &s.metrics.pull_read_notices, |d| {
         s.load.pull_read(d)
     })
 }
@@ -299,14 +288,14 @@ fn pull_notice(
     headers: &HeaderMap,
     body: &[u8],
     counter: &Family<ReasonLabel, Counter>,
-    apply: impl FnOnce(&PullNotice, u64) -> bool,
+    apply: impl FnOnce(u64) -> bool,
 ) -> Response {
     let n = match admit(s, headers, counter, || PullNotice::parse(body)) {
         Ok(n) => n,
         Err(refused) => return *refused,
     };
     let digest = crate::select::load::pull_digest(&n.decode_engine_id, &n.decode_request_id);
-    let known = apply(&n, digest);
+    let known = apply(digest);
     counter
         .get_or_create(&ReasonLabel {
             reason: if known { "applied" } else { "unknown" },
@@ -333,8 +322,7 @@ pub async fn get_thresholds(State(s): State<Arc<AppState>>, headers: HeaderMap) 
         .map(|e| {
             json!({"prefill_engine_id": e.prefill_engine_id, "decode_engine_id": e.decode_engine_id,
                    "threshold_tokens": e.threshold_tokens, "valid_for_ms_left": e.valid_for_ms_left,
-                   "agent_id": e.agent_id, "in_force": e.valid_for_ms_left > 0, "model": e.model,
-                   "pull_suspended": e.pull_cut_at_ms.is_some()})
+                   "agent_id": e.agent_id, "in_force": e.valid_for_ms_left > 0, "model": e.model})
         })
         .collect();
     Json(json!({"static_threshold_tokens": th.static_threshold_tokens(), "pairs": pairs}))

@@ -6,14 +6,6 @@
 //! static `kv_recompute_threshold` (vLLM default 64 tokens) applies again. A
 //! push with a lower `seq` than the last applied one from the same agent is
 //! ignored.
-//!
-//! A pull whose READ P's agent abandoned as slower than recomputing
-//! ([`ThresholdTable::pull_cut`], from `POST /admin/pulls/abandoned`)
-//! suspends pulls over that pair until the pair's next push: the agent's
-//! model may not have moved yet (its early push waits for the change
-//! detector), and a second pull over a path that just slowed is cut again
-//! (seen twice in 27 runs of `make demo-cluster`, 0.2–0.4 s after the
-//! first). As outlier ejection in Envoy, for one push period at most.
 use std::collections::HashMap;
 
 use kvloop_router_api::{CostModelCoefficients, ThresholdUpdate};
@@ -53,9 +45,6 @@ struct PairEntry {
     model: Option<CostModelCoefficients>,
     valid_until_ms: u64,
     agent_id: String,
-    /// A READ over the pair was abandoned since this push, at this time
-    /// (ms): pulls are suspended until the next push.
-    pull_cut_at_ms: Option<u64>,
 }
 
 /// One pushed pair as `GET /admin/thresholds` shows it.
@@ -73,9 +62,6 @@ pub struct PairSnapshot {
     pub agent_id: String,
     /// The pushed cost model, if any.
     pub model: Option<CostModelCoefficients>,
-    /// When a READ over the pair was abandoned since the push, ms on the
-    /// router's clock: pulls are suspended until the next push.
-    pub pull_cut_at_ms: Option<u64>,
 }
 
 /// Where an effective threshold came from.
@@ -96,9 +82,6 @@ pub struct Effective {
     pub model: Option<CostModelCoefficients>,
     /// Origin.
     pub source: ThresholdSource,
-    /// Pulls over the pair are suspended: a READ over it was abandoned
-    /// since the last push ([`ThresholdTable::pull_cut`]).
-    pub pull_suspended: bool,
 }
 
 impl Effective {
@@ -109,10 +92,8 @@ impl Effective {
     /// prefix tokens is charged an average context of `r / 2` tokens
     /// (`kvloop_router_api::CostModelCoefficients`). Otherwise: pull when
     /// `r ≥ threshold_tokens`.
-    ///
-    /// Never while pulls over the pair are suspended (`pull_suspended`).
     pub fn should_pull(&self, reused_tokens: u64) -> bool {
-        if reused_tokens == 0 || self.pull_suspended {
+        if reused_tokens == 0 {
             return false;
         }
         if let Some(m) = &self.model
@@ -221,7 +202,6 @@ impl ThresholdTable {
                     model: p.model.clone(),
                     valid_until_ms: now_ms.saturating_add(p.valid_for_ms),
                     agent_id: u.agent_id.clone(),
-                    pull_cut_at_ms: None,
                 },
             );
         }
@@ -235,32 +215,12 @@ impl ThresholdTable {
                 threshold_tokens: e.threshold_tokens,
                 model: e.model.clone(),
                 source: ThresholdSource::Pushed,
-                pull_suspended: e.pull_cut_at_ms.is_some(),
             },
             _ => Effective {
                 threshold_tokens: self.static_threshold_tokens,
                 model: None,
                 source: ThresholdSource::Static,
-                pull_suspended: false,
             },
-        }
-    }
-
-    /// P's agent abandoned a READ over (prefill, decode) at `now_ms` as
-    /// slower than recomputing: pulls over the pair stop until its next
-    /// push (see the module docs). Returns whether a pushed entry in force
-    /// was marked (without one, the static threshold applies and nothing
-    /// is suspended).
-    pub fn pull_cut(&mut self, prefill: &str, decode: &str, now_ms: u64) -> bool {
-        match self
-            .pairs
-            .get_mut(&(prefill.to_string(), decode.to_string()))
-        {
-            Some(e) if now_ms < e.valid_until_ms => {
-                e.pull_cut_at_ms.get_or_insert(now_ms);
-                true
-            }
-            _ => false,
         }
     }
 
@@ -276,7 +236,6 @@ impl ThresholdTable {
                 valid_for_ms_left: e.valid_until_ms.saturating_sub(now_ms),
                 agent_id: e.agent_id.clone(),
                 model: e.model.clone(),
-                pull_cut_at_ms: e.pull_cut_at_ms,
             })
             .collect();
         v.sort_by(|a, b| {
@@ -357,30 +316,6 @@ mod tests {
     }
 
     #[test]
-    fn an_abandoned_read_suspends_pulls_over_the_pair_until_its_next_push() {
-        let mut t = ThresholdTable::new(64);
-        // Without a push in force nothing is suspended (static threshold).
-        assert!(!t.pull_cut("p0", "d0", 0));
-        t.apply(&push("a", 1, 100, 10_000), 0, |_| true).unwrap();
-        assert!(t.effective("p0", "d0", 10).should_pull(500));
-        assert!(t.pull_cut("p0", "d0", 20));
-        assert!(
-            t.pull_cut("p0", "d0", 30),
-            "a second cut keeps the first time"
-        );
-        let e = t.effective("p0", "d0", 40);
-        assert!(e.pull_suspended && !e.should_pull(500), "{e:?}");
-        assert_eq!(t.snapshot(40)[0].pull_cut_at_ms, Some(20));
-        // The next push from P's agent lifts it.
-        t.apply(&push("a", 2, 100, 10_000), 50, |_| true).unwrap();
-        let e = t.effective("p0", "d0", 60);
-        assert!(!e.pull_suspended && e.should_pull(500), "{e:?}");
-        // A lapsed push cannot be cut (the static threshold applies).
-        assert!(!t.pull_cut("p0", "d0", 20_000));
-        assert!(!t.effective("p0", "d0", 20_000).pull_suspended);
-    }
-
-    #[test]
     fn model_decides_when_confident() {
         let m = CostModelCoefficients {
             xfer_fixed_ms: 30.0,
@@ -396,7 +331,6 @@ mod tests {
             threshold_tokens: 1,
             model: Some(m.clone()),
             source: ThresholdSource::Pushed,
-            pull_suspended: false,
         };
         // break-even r* = 30 / (0.05 - 0.001) ≈ 612
         assert!(!e.should_pull(600));

@@ -78,7 +78,11 @@ async fn predicted_ttft_without_models_falls_back_to_round_robin_and_threshold()
     })
     .await;
     for conv in ["conv-a", "conv-b"] {
-        two_turns(&c, conv).await;
+        let m1 = vec![user(&words(100, "a"))];
+        let (st, a1) = c.chat(None, conv, &m1, false, json!({})).await;
+        assert_eq!(st, 200, "{a1}");
+        let m2 = vec![m1[0].clone(), assistant(&a1), user(&words(20, "b"))];
+        assert_eq!(c.chat(None, conv, &m2, false, json!({})).await.0, 200);
     }
     assert_eq!(c.metric(PULLED).await, 2.0, "109 reusable ≥ static 64");
     assert_eq!(c.p_stats(0).reads_ok + c.p_stats(1).reads_ok, 2);
@@ -104,82 +108,6 @@ async fn predicted_ttft_without_models_alternates_the_prefill_engines() {
     }
     let (p0, p1) = (c.p_stats(0).requests, c.p_stats(1).requests);
     assert_eq!((p0, p1), (3, 3), "six first turns alternate over p0 and p1");
-}
-
-/// Turn 1 of `conv`, then turn 2 extending it (109 tokens reusable).
-async fn two_turns(c: &Cluster, conv: &str) {
-    let m1 = vec![user(&words(100, "a"))];
-    let (st, a1) = c.chat(None, conv, &m1, false, json!({})).await;
-    assert_eq!(st, 200, "{a1}");
-    let m2 = vec![m1[0].clone(), assistant(&a1), user(&words(20, "b"))];
-    assert_eq!(c.chat(None, conv, &m2, false, json!({})).await.0, 200);
-}
-
-/// An abandoned notice for (p1, d0) stops the pulls over that pair on the
-/// request path until P's agent pushes again: turn 2 of the next
-/// conversation recomputes (on the cheaper P), and after the push turn 2
-/// pulls again.
-#[tokio::test]
-async fn an_abandoned_read_suspends_pulls_over_its_pair_until_the_next_push() {
-    let c = Cluster::start(Opts {
-        n_prefill: 2,
-        tweak: |cfg| cfg.policy = Policy::PredictedTtft,
-        ..Opts::default()
-    })
-    .await;
-    let url = format!("{}{}", c.router.url(), kvloop_router_api::THRESHOLDS_PATH);
-    let push = |seq| ThresholdUpdate {
-        agent_url: None,
-        agent_id: "node-a".into(),
-        seq,
-        // D → p0 slow (0.1 ms per token), D → p1 fast.
-        pairs: vec![pair("p0", 0.1), pair("p1", 0.000_01)],
-    };
-    let put_push = |seq| c.http.put(&url).bearer_auth(TOKEN).json(&push(seq)).send();
-    assert_eq!(put_push(1).await.unwrap().status(), 204);
-    two_turns(&c, "conv-a").await;
-    assert_eq!(c.metric(PULLED).await, 1.0);
-    let notice = json!({"agent_id": "node-a", "prefill_engine_id": "p1",
-        "decode_engine_id": "d0", "decode_request_id": "cmpl-x",
-        "after_ms": 40, "cause": "abandoned"});
-    let r = c
-        .http
-        .post(format!(
-            "{}{}",
-            c.router.url(),
-            kvloop_router_api::PULL_ABANDONED_PATH
-        ))
-        .bearer_auth(TOKEN)
-        .json(&notice)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
-    let suspended = |v: serde_json::Value| -> Vec<(String, bool)> {
-        v["pairs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| {
-                let id = p["prefill_engine_id"].as_str().unwrap().to_string();
-                (id, p["pull_suspended"].as_bool().unwrap())
-            })
-            .collect()
-    };
-    let th = c.get_json_auth("/admin/thresholds").await;
-    assert_eq!(
-        suspended(th),
-        [("p0".to_string(), false), ("p1".to_string(), true)]
-    );
-    two_turns(&c, "conv-b").await;
-    assert_eq!(c.metric(PULLED).await, 1.0, "no pull while suspended");
-    assert_eq!(c.p_stats(1).reads_ok, 1);
-    // P's agent pushes again: pulls over (p1, d0) resume.
-    assert_eq!(put_push(2).await.unwrap().status(), 204);
-    two_turns(&c, "conv-c").await;
-    assert_eq!(c.metric(PULLED).await, 2.0);
-    assert_eq!(c.p_stats(1).reads_ok, 2, "every pull went through p1");
-    assert_eq!(c.p_stats(0).reads_ok, 0);
 }
 
 #[tokio::test]

@@ -48,10 +48,7 @@
 //!   per token where known). Where no healthy P has a valid model, or a
 //!   pull is possible and no P has a valid model of the path from the
 //!   previous D, predictions cannot be compared: the turn falls back to
-//!   round robin and the threshold rule (reason `fallback_no_model`). A
-//!   pair whose pulls are suspended (P's agent abandoned a READ over it
-//!   since its last push: [`Effective::pull_suspended`]) keeps its path
-//!   model for the comparison but offers no pull option.
+//!   round robin and the threshold rule (reason `fallback_no_model`).
 //!
 //! Every [`Selection`] says why ([`SelectReason`]) and carries the predicted
 //! times of the chosen and the runner-up option (one line:
@@ -318,18 +315,13 @@ pub fn select(
         .enumerate()
         .filter(|(_, p)| p.healthy)
         .map(|(pos, p)| {
-            let path = prev.map(|d| pair(p.index, d));
-            let path_model = path.as_ref().and_then(|e| valid(&e.model).cloned());
-            let compute = path_model.clone().or_else(|| {
+            let pull_model = prev.and_then(|d| valid(&pair(p.index, d).model).cloned());
+            let compute = pull_model.clone().or_else(|| {
                 decode
                     .iter()
                     .find_map(|d| valid(&pair(p.index, d.index).model).cloned())
             });
-            // A path whose pulls are suspended (a READ over it was just
-            // abandoned) is known, only not pulled over.
-            let suspended = path.as_ref().is_some_and(|e| e.pull_suspended);
-            let pull_model = path_model.clone().filter(|_| !suspended);
-            (pos, p, (pull_model, path_model.is_some()), compute)
+            (pos, p, pull_model, compute)
         })
         .collect();
     // A P whose agent's models all lapsed or lost confidence for a moment
@@ -340,7 +332,7 @@ pub fn select(
     let Some(borrowed) = models.iter().find_map(|m| m.3.clone()) else {
         return Ok(fallback(SelectReason::FallbackNoModel));
     };
-    for (pos, p, (pull_model, path_known), compute) in models {
+    for (pos, p, pull_model, compute) in models {
         let m = compute.unwrap_or_else(|| CostModelCoefficients {
             prefill_ms_per_token: p
                 .measured_ms_per_token
@@ -350,7 +342,7 @@ pub fn select(
         // A P without a valid model of the path from the previous D keeps
         // its recompute option; the turn falls back only when no P has one
         // (below).
-        pull_paths += usize::from(path_known);
+        pull_paths += usize::from(pull_model.is_some());
         let (a, b) = (m.prefill_ms_per_token, m.prefill_ms_per_token_ctx);
         let per_token = p.measured_ms_per_token.unwrap_or(a);
         // The larger of this replica's own count and the engine's report

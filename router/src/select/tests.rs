@@ -23,7 +23,6 @@ fn eff(m: Option<CostModelCoefficients>) -> Effective {
             ThresholdSource::Static
         },
         model: m,
-        pull_suspended: false,
     }
 }
 
@@ -268,53 +267,6 @@ fn pull_and_prefill_engine_are_chosen_jointly() {
     let r = s.runner_up.unwrap();
     assert_eq!((r.prefill, r.pull), (1, true));
     assert!(close(r.ttft_ms, 58.6), "{r:?}");
-}
-
-/// A pair whose pulls are suspended (P's agent abandoned a READ over it)
-/// offers no pull option but still counts as a known path: the turn is
-/// predicted, not sent round robin.
-#[test]
-fn a_suspended_pair_is_not_pulled_over_and_the_turn_is_still_predicted() {
-    let ps = [p(0, 0), p(1, 0)];
-    let ds = [d(2, 0, None), d(3, 0, None)];
-    let suspended_fast = |pp: u16, dd: u16| {
-        let mut e = heterogeneous(pp, dd);
-        e.pull_suspended = (pp, dd) == (1, 2);
-        e
-    };
-    // The fast D2 → P1 path (8.6 ms, see above) is suspended: the slow
-    // path's pull (186.8 ms) loses to recomputing (40 ms).
-    let s = select(
-        Policy::PredictedTtft,
-        &ps,
-        &ds,
-        &turn(2000, 1800),
-        suspended_fast,
-        0,
-    )
-    .unwrap();
-    assert_eq!(
-        (s.prefill, s.pull, s.reason),
-        (0, false, SelectReason::PredictedRecompute)
-    );
-    let r = s.runner_up.unwrap();
-    assert_eq!(
-        (r.prefill, r.pull),
-        (1, false),
-        "P1 recomputes, never pulls"
-    );
-    // Every path from D2 suspended: still predicted, recompute.
-    let all = |pp: u16, dd: u16| {
-        let mut e = heterogeneous(pp, dd);
-        e.pull_suspended = dd == 2;
-        e
-    };
-    let s = select(Policy::PredictedTtft, &ps, &ds, &turn(2000, 1800), all, 0).unwrap();
-    assert_eq!(
-        (s.pull, s.reason),
-        (false, SelectReason::PredictedRecompute)
-    );
-    assert!(!s.runner_up.unwrap().pull);
 }
 
 #[test]
