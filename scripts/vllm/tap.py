@@ -15,7 +15,8 @@ Idle connections to the engine are kept at most 2 s: vLLM's server
 `timeout_keep_alive` default), and reusing one it is closing resets the
 request. A request whose connection fails before the answer's headers
 arrived (such a stale connection: the engine never read it) is sent once
-more, logged on stderr; a second failure answers 502 naming the error.
+more, logged on stderr; a second failure answers 502 naming the error, as
+does a refused connection (the engine is starting or restarting), at once.
 """
 
 import argparse
@@ -47,6 +48,9 @@ def main():
             try:
                 up = await sess.request(req.method, a.upstream + req.path_qs, data=body, headers=headers)
                 break
+            except aiohttp.ClientConnectorError as e:
+                # Nothing listening (the engine is starting or restarting).
+                return web.Response(status=502, text=f"tap: engine unreachable: {e!r}")
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
                 if attempt == 2:
                     return web.Response(status=502, text=f"tap: engine connection failed twice: {e!r}")
