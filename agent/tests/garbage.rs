@@ -12,11 +12,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvloop_tests::free_port("127.0.0.1")
 }
 
 /// Reads one response frame; `None` when the agent closed without one.

@@ -52,17 +52,43 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
-/// A TCP port on `ip` that was free a moment ago (bound to port 0, then
-/// released): another process may take it before the caller binds it, which
-/// on a test machine is rare enough.
+/// First port [`free_port`] hands out (below Linux's default ephemeral
+/// range, `net.ipv4.ip_local_port_range` 32768–60999).
+const FREE_PORT_BASE: u16 = 20_000;
+/// Ports [`free_port`] cycles through from [`FREE_PORT_BASE`].
+const FREE_PORT_SPAN: u16 = 12_000;
+
+/// A TCP port on `ip` that is free now, for a process the test starts
+/// with that port in its configuration.
+///
+/// Taken below the kernel's ephemeral range: a port the kernel handed out
+/// for `bind(…:0)` and released was often handed to another process of
+/// the parallel tests (a listener bound to port 0, an outgoing connection)
+/// before the test's process bound it (CI, 2026-12-07: an agent failed with
+/// `Address already in use`, and an HTTP request reached a side channel).
+/// Ports below that range are never handed out by the kernel; this
+/// process walks them from a place set by its pid, so parallel test
+/// processes rarely meet, and each port is checked bindable first.
 ///
 /// # Panics
-/// When nothing can be bound on `ip` (the address is not local).
+/// When no port of the span can be bound on `ip` (the address is not
+/// local).
 pub fn free_port(ip: &str) -> u16 {
-    TcpListener::bind((ip, 0))
-        .and_then(|l| l.local_addr())
-        .unwrap_or_else(|e| panic!("binding a free port on {ip}: {e}"))
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let start = (std::process::id().wrapping_mul(2_654_435_761) >> 8) % u32::from(FREE_PORT_SPAN);
+    let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..FREE_PORT_SPAN {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed) % u32::from(FREE_PORT_SPAN);
+        let port = FREE_PORT_BASE + k as u16;
+        if TcpListener::bind((ip, port)).is_ok() {
+            return port;
+        }
+    }
+    panic!(
+        "no free port on {ip} in {FREE_PORT_BASE}..{}",
+        FREE_PORT_BASE + FREE_PORT_SPAN
+    )
 }
 
 /// The configuration of a `kvloop-agent` on loopback for the end-to-end
@@ -165,10 +191,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn free_ports_are_bindable() {
-        let p = free_port("127.0.0.1");
-        assert_ne!(p, 0);
-        TcpListener::bind(("127.0.0.1", p)).expect("the port is free");
+    fn free_ports_are_bindable_distinct_and_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..50).map(|_| free_port("127.0.0.1")).collect();
+        for &p in &ports {
+            assert!(
+                (FREE_PORT_BASE..FREE_PORT_BASE + FREE_PORT_SPAN).contains(&p),
+                "{p}"
+            );
+            TcpListener::bind(("127.0.0.1", p)).expect("the port is free");
+        }
+        let mut d = ports.clone();
+        d.sort_unstable();
+        d.dedup();
+        assert_eq!(d.len(), ports.len(), "{ports:?}");
     }
 
     #[test]

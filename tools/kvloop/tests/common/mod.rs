@@ -25,13 +25,9 @@ pub fn sibling(name: &str) -> PathBuf {
     p
 }
 
-/// A free TCP port on 127.0.0.1 (bound then released).
+/// A free TCP port on 127.0.0.1 ([`kvloop_tests::free_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind(("127.0.0.1", 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvloop_tests::free_port("127.0.0.1")
 }
 
 /// A daemon printing `READY http=...`.
