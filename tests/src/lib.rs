@@ -74,10 +74,13 @@ const FREE_PORT_SPAN: u16 = 12_000;
 /// When no port of the span can be bound on `ip` (the address is not
 /// local).
 pub fn free_port(ip: &str) -> u16 {
+    use std::sync::LazyLock;
     use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
-    let start = (std::process::id().wrapping_mul(2_654_435_761) >> 8) % u32::from(FREE_PORT_SPAN);
-    let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    static NEXT: LazyLock<AtomicU32> = LazyLock::new(|| {
+        AtomicU32::new(
+            (std::process::id().wrapping_mul(2_654_435_761) >> 8) % u32::from(FREE_PORT_SPAN),
+        )
+    });
     for _ in 0..FREE_PORT_SPAN {
         let k = NEXT.fetch_add(1, Ordering::Relaxed) % u32::from(FREE_PORT_SPAN);
         let port = FREE_PORT_BASE + k as u16;

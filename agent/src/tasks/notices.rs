@@ -11,7 +11,7 @@
 //! notice is worth something only while P holds the turn. Addresses as the
 //! threshold pushes resolve them ([`super::push::targets`]).
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvloop_router_api::PullNotice;
 
@@ -22,27 +22,17 @@ use crate::metrics::labels;
 /// Sends each queued notice to every router address, each POST in its own
 /// task (a router that is down delays no other). A READ completes for every
 /// pulled turn, so the addresses are resolved at most once per
-/// `push_period_ms` (as the threshold pushes resolve them), not per notice.
+/// `push_period_ms` ([`super::push::TargetCache`]), not per notice.
 pub async fn run(agent: Arc<Agent>) {
     let Some(mut rx) = agent.take_pull_notices() else {
         return;
     };
     let period = Duration::from_millis(agent.config().push_period_ms.max(1));
-    // Per router: when resolved, and its addresses.
-    let mut resolved: Vec<Option<(Instant, Arc<[String]>)>> =
-        vec![None; agent.config().routers.len()];
+    let mut addresses = super::push::TargetCache::new(agent.config().routers.len(), period);
     while let Some(n) = rx.recv().await {
         let n = Arc::new(n);
-        for (r, cached) in agent.config().routers.iter().zip(&mut resolved) {
-            let urls = match cached {
-                Some((at, urls)) if at.elapsed() < period => urls.clone(),
-                _ => {
-                    let urls: Arc<[String]> = super::push::targets(r).await.into();
-                    *cached = Some((Instant::now(), urls.clone()));
-                    urls
-                }
-            };
-            for url in urls.iter() {
+        for (i, r) in agent.config().routers.iter().enumerate() {
+            for url in addresses.get(i, r).await.iter() {
                 let (agent, n, token, url) =
                     (agent.clone(), n.clone(), r.token.clone(), url.clone());
                 tokio::spawn(async move {

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvloop_router_api::{THRESHOLDS_PATH, ThresholdUpdate};
 
@@ -54,6 +54,39 @@ pub(crate) async fn targets(r: &RouterTarget) -> Vec<String> {
     }
 }
 
+/// Every configured router's addresses ([`targets`]), resolved at most
+/// once per `period` (a name's addresses are followed at that pace), for
+/// the tasks that send to every router: the threshold pushes and the pull
+/// notices (one per READ: a lookup each would be a DNS query per READ).
+pub(crate) struct TargetCache {
+    period: Duration,
+    /// Per `[[routers]]` entry: when resolved, and its addresses.
+    entries: Vec<Option<(Instant, Arc<[String]>)>>,
+}
+
+impl TargetCache {
+    /// An empty cache for `routers` entries.
+    pub(crate) fn new(routers: usize, period: Duration) -> Self {
+        Self {
+            period,
+            entries: vec![None; routers],
+        }
+    }
+
+    /// The addresses of `routers[i]` = `r`, resolved again once `period`
+    /// has passed.
+    pub(crate) async fn get(&mut self, i: usize, r: &RouterTarget) -> Arc<[String]> {
+        match &self.entries[i] {
+            Some((at, urls)) if at.elapsed() < self.period => urls.clone(),
+            _ => {
+                let urls: Arc<[String]> = targets(r).await.into();
+                self.entries[i] = Some((Instant::now(), urls.clone()));
+                urls
+            }
+        }
+    }
+}
+
 /// Pushes thresholds to every router address every push period (and at
 /// once after a path invalidation). Each address is pushed by its own
 /// task, with retries and back-off; a push still in flight is not
@@ -64,11 +97,12 @@ pub async fn run(agent: Arc<Agent>) {
     }
     let mut in_flight: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let period = Duration::from_millis(agent.config().push_period_ms);
+    let mut addresses = TargetCache::new(agent.config().routers.len(), period);
     loop {
         let update = agent.threshold_update();
         let mut seen = Vec::new();
-        for r in &agent.config().routers {
-            for url in targets(r).await {
+        for (i, r) in agent.config().routers.iter().enumerate() {
+            for url in addresses.get(i, r).await.iter().cloned() {
                 let flag = in_flight.entry(url.clone()).or_default().clone();
                 seen.push(url.clone());
                 if flag.swap(true, Ordering::AcqRel) {

@@ -118,7 +118,7 @@ impl RunCtx<'_> {
                     }
                     plan.remove(0);
                     let label = self
-                        .event(what, &mut routers, spec, &config, &tag, &drive)
+                        .event(what, &mut routers, (spec, &urls[1]), &config, &tag, &drive)
                         .await?;
                     println!("  t+{:.1} s: {label}", t0.elapsed().as_secs_f64());
                     events.push(Event {
@@ -175,7 +175,7 @@ impl RunCtx<'_> {
         &self,
         what: &str,
         routers: &mut [Option<ReadyChild>],
-        spec: &PolicySpec,
+        (spec, url_1): (&PolicySpec, &str),
         config: &Path,
         tag: &str,
         drive: &Drive,
@@ -200,8 +200,7 @@ impl RunCtx<'_> {
                 // Back in the client's rotation once ready, as behind a
                 // readiness probe (warmed up where agents push to it).
                 let t = Instant::now();
-                let url = format!("http://{}:{}", self.cluster.router_addrs[1], spec.port);
-                wait_healthy(self.http, &url).await?;
+                wait_healthy(self.http, url_1).await?;
                 drive.mark_up(1);
                 format!(
                     "router replica 1 restarted (pid {pid}), ready after {} ms",
